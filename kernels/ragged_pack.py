@@ -1,0 +1,177 @@
+"""Padded <-> ragged copies: the gather behind `RaggedTensor.from_padded` and the scatter behind `to_padded`.
+
+Both kernels use a 2-D grid (component, row block); programs whose block lies past the component's
+extent exit at once, so no metadata beyond `offsets` and `lengths` is needed (no prelude copy).
+Features are flattened: the padded tensor is viewed as `[B, L, D]` with a contiguous last dim.
+
+Shape contracts
+    src (pack):    (B, L, D), any strides on B and L, stride 1 on D
+    values:        (T, D), row stride arbitrary, stride 1 on D; component i at rows offsets[i] : offsets[i+1]
+    offsets:       (B + 1,), int32, on the values' device; offsets[-1] = T
+    lengths:       (B,), int32; lengths[i] <= offsets[i+1] - offsets[i]; rows past lengths[i] are gap rows
+    out (unpack):  (B, L_out, D), any strides on B and L, stride 1 on D; L_out >= max(lengths)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ._config import next_pow2
+from ._triton import tl, triton
+
+__all__ = ["pack", "unpack", "pack_ref", "unpack_ref", "PACK_BLOCK_M"]
+
+# 32 rows x up to 256 features per program: the copies are bandwidth-bound and this keeps 16-byte
+# accesses with enough programs in flight on the CoRa shapes (D = 512, B = 32..128).
+PACK_BLOCK_M = 32
+_MAX_BLOCK_D = 256
+
+
+@triton.jit
+def _pack_kernel(
+    src_ptr,
+    dst_ptr,
+    offsets_ptr,
+    lengths_ptr,
+    D,
+    stride_sb,
+    stride_sl,
+    stride_dt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row0 = tl.program_id(1) * BLOCK_M
+    start = tl.load(offsets_ptr + b)
+    extent = tl.load(offsets_ptr + b + 1) - start
+    length = tl.load(lengths_ptr + b)
+    if row0 < extent:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        src_rows = src_ptr + b.to(tl.int64) * stride_sb + rows.to(tl.int64)[:, None] * stride_sl
+        dst_rows = dst_ptr + (start + rows).to(tl.int64)[:, None] * stride_dt
+        load_rows = rows[:, None] < length
+        store_rows = rows[:, None] < extent  # rows in [length, extent) are gap rows: written as zeros
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)[None, :]
+            x = tl.load(src_rows + cols, mask=load_rows & (cols < D), other=0.0)
+            tl.store(dst_rows + cols, x, mask=store_rows & (cols < D))
+
+
+@triton.jit
+def _unpack_kernel(
+    src_ptr,
+    dst_ptr,
+    offsets_ptr,
+    lengths_ptr,
+    D,
+    L_out,
+    pad_value,
+    stride_st,
+    stride_db,
+    stride_dl,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = tl.load(offsets_ptr + b)
+    length = tl.load(lengths_ptr + b)
+    src_rows = src_ptr + (start + rows).to(tl.int64)[:, None] * stride_st
+    dst_rows = dst_ptr + b.to(tl.int64) * stride_db + rows.to(tl.int64)[:, None] * stride_dl
+    load_rows = rows[:, None] < length
+    store_rows = rows[:, None] < L_out
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)[None, :]
+        x = tl.load(src_rows + cols, mask=load_rows & (cols < D), other=pad_value)
+        tl.store(dst_rows + cols, x.to(dst_ptr.dtype.element_ty), mask=store_rows & (cols < D))
+
+
+def _block_d(D: int) -> int:
+    return min(next_pow2(max(D, 1)), _MAX_BLOCK_D)
+
+
+def pack(src: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, rows: int, max_extent: int) -> torch.Tensor:
+    """Gather `src` (B, L, D) into new values (rows, D); gap rows are zeros. `max_extent` is the host-known
+    largest `offsets[i+1] - offsets[i]` (it sizes the grid; no device read)."""
+    B, _, D = src.shape
+    out = torch.empty((rows, D), dtype=src.dtype, device=src.device)
+    if B == 0 or rows == 0 or D == 0:
+        return out.zero_()
+    grid = (B, triton.cdiv(max_extent, PACK_BLOCK_M))
+    _pack_kernel[grid](
+        src,
+        out,
+        offsets,
+        lengths,
+        D,
+        src.stride(0),
+        src.stride(1),
+        out.stride(0),
+        BLOCK_M=PACK_BLOCK_M,
+        BLOCK_D=_block_d(D),
+        num_warps=4,
+    )
+    return out
+
+
+def unpack(
+    values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, pad_value: float
+) -> torch.Tensor:
+    """Scatter `values` (T, D) into `out` (B, L_out, D), every element of which is written: real rows
+    from values, the rest `pad_value`."""
+    B, L_out, D = out.shape
+    if B == 0 or L_out == 0 or D == 0:
+        return out
+    grid = (B, triton.cdiv(L_out, PACK_BLOCK_M))
+    _unpack_kernel[grid](
+        values,
+        out,
+        offsets,
+        lengths,
+        D,
+        L_out,
+        float(pad_value),
+        values.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=PACK_BLOCK_M,
+        BLOCK_D=_block_d(D),
+        num_warps=4,
+    )
+    return out
+
+
+def _row_indices(offsets: Sequence[int], lengths: Sequence[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values rows, flattened padded rows) of every real token, built with vectorised numpy."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    starts = np.asarray(offsets[:-1], dtype=np.int64)
+    comp = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    first = np.repeat(np.cumsum(lens) - lens, lens)
+    within = np.arange(int(lens.sum()), dtype=np.int64) - first
+    return starts[comp] + within, comp * seq_len + within
+
+
+def pack_ref(src: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int], rows: int) -> torch.Tensor:
+    """PyTorch reference of `pack` with host offsets/lengths."""
+    B, L, D = src.shape
+    out = src.new_zeros((rows, D))
+    dst_idx, src_idx = _row_indices(offsets, lengths, L)
+    if len(dst_idx):
+        out[torch.from_numpy(dst_idx).to(src.device)] = src.reshape(B * L, D)[torch.from_numpy(src_idx).to(src.device)]
+    return out
+
+
+def unpack_ref(
+    values: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int], out: torch.Tensor, pad_value: float
+) -> torch.Tensor:
+    """PyTorch reference of `unpack` with host offsets/lengths; writes into `out` (B, L_out, D)."""
+    B, L_out, D = out.shape
+    out.fill_(pad_value)
+    src_idx, dst_idx = _row_indices(offsets, lengths, L_out)
+    if len(src_idx):
+        dst = torch.from_numpy(dst_idx).to(out.device)
+        out[dst // L_out, dst % L_out] = values[torch.from_numpy(src_idx).to(values.device)].to(out.dtype)
+    return out
