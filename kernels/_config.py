@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KernelConfig", "interpreting", "next_pow2"]
+__all__ = ["KernelConfig", "interpreting", "dot_upcast", "next_pow2"]
 
 _BACKENDS = ("triton", "cublas")
 
@@ -70,6 +70,10 @@ class KernelConfig:
         return label + ("-cublas" if self.backend == "cublas" else "")
 
 
+def _identity(kernel):
+    return kernel
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -81,6 +85,16 @@ def interpreting() -> bool:
     the same way Triton did when these modules were imported.
     """
     return _INTERPRET
+
+
+def dot_upcast(dtype_name: str) -> bool:
+    """Whether kernels must feed `tl.dot` fp32 operands instead of `dtype_name` ones.
+
+    Only under the interpreter, only for bfloat16: Triton 3.9's interpreter computes bf16 x bf16 dots
+    wrongly (a 16x16 product of randn inputs came out 1e10 off, 2026-11-22), while casts and loads of
+    bf16 are right. Compiled kernels always take the native path.
+    """
+    return _INTERPRET and dtype_name == "bfloat16"
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")

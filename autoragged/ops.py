@@ -1,0 +1,235 @@
+"""Ragged ops on `RaggedTensor`s: the public face of the Triton kernels in `kernels/`.
+
+Where each op runs:
+- CUDA tensors: our Triton kernels (through the `torch.library` ops while torch.compile traces);
+- CPU tensors with `TRITON_INTERPRET=1` set before import: the same kernels in Triton's interpreter;
+- CPU otherwise (or no Triton): the PyTorch references that sit beside the kernels.
+
+Every op returns a RaggedTensor of its input's layout with zeroed gap rows. The `*_values` functions
+are the same ops on raw values (no gap zeroing); the ragged `nn` modules chain those.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import ragged_add_layer_norm as k_ln
+from kernels import ragged_attention as k_attn
+from kernels import ragged_bmm as k_bmm
+from kernels import ragged_linear as k_lin
+from kernels._config import KernelConfig
+
+from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
+from ._backend import use_triton
+from ._layout import Layout
+from ._ragged import RaggedTensor, _zero_gaps
+
+__all__ = [
+    "ragged_attention",
+    "ragged_linear",
+    "ragged_bmm",
+    "ragged_add_layer_norm",
+    "attention_values",
+    "linear_values",
+    "bmm_values",
+    "add_layer_norm_values",
+]
+
+_ACT_CODE = {None: 0, "relu": 1, "gelu": 2}
+
+
+def _compiling(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.compiler.is_compiling()
+
+
+# -- value-level ops ------------------------------------------------------------------------------
+def attention_values(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """q, k, v: (rows, H, Dh) values of `layout`; returns (rows, H, Dh), gap rows unspecified."""
+    if not use_triton(q):
+        return k_attn.ragged_attention_ref(q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale)
+    config = config or k_attn.default_config(q.shape[-1], layout.max_len)
+    offsets, lengths = layout.device_meta(q.device)
+    grid_mapping, block_offsets = layout.prelude(config.block_m, q.device)
+    if _compiling(q):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.autoragged.ragged_attention(
+            q, k, v, offsets, lengths, grid_mapping, block_offsets, bool(causal), scale,
+            config.block_m, config.block_n, config.num_warps, config.num_stages,
+        )  # fmt: skip
+    return k_attn.ragged_attention(
+        q, k, v, offsets, lengths, grid_mapping, block_offsets, causal=causal, scale=scale, config=config
+    )
+
+
+def linear_values(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N)."""
+    if activation not in _ACT_CODE:
+        raise ValueError(f"activation must be one of {tuple(_ACT_CODE)}, got {activation!r}")
+    config = config or k_lin.default_config(weight.shape[0], weight.shape[1])
+    if config.backend == "cublas" or not use_triton(x):
+        return k_lin.ragged_linear_ref(x, weight, bias, activation)
+    if _compiling(x):
+        c = config
+        return torch.ops.autoragged.ragged_linear(
+            x,
+            weight,
+            bias,
+            _ACT_CODE[activation],
+            c.block_m,
+            c.block_n,
+            c.block_k,
+            c.num_warps,
+            c.num_stages,
+            c.group_m,
+        )
+    return k_lin.ragged_linear(x, weight, bias, activation, config)
+
+
+def bmm_values(
+    x: torch.Tensor, weights: torch.Tensor, layout: Layout, config: KernelConfig | None = None
+) -> torch.Tensor:
+    """Component i of x (rows, K) times weights[i] (K, N) -> (rows, N), gap rows unspecified."""
+    if not use_triton(x):
+        return k_bmm.ragged_bmm_ref(x, weights, layout.offsets, layout.lengths)
+    config = config or k_bmm.DEFAULT_CONFIG
+    offsets, lengths = layout.device_meta(x.device)
+    grid_mapping, block_offsets = layout.prelude(config.block_m, x.device)
+    if _compiling(x):
+        c = config
+        return torch.ops.autoragged.ragged_bmm(
+            x, weights, offsets, lengths, grid_mapping, block_offsets,
+            c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
+        )  # fmt: skip
+    return k_bmm.ragged_bmm(x, weights, offsets, lengths, grid_mapping, block_offsets, config=config)
+
+
+def add_layer_norm_values(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    store_sum: bool = False,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(LN(x + residual), the sum if store_sum) over all rows."""
+    if not use_triton(x):
+        return k_ln.add_layer_norm_ref(x, residual, weight, bias, eps, store_sum=store_sum)
+    if _compiling(x):
+        c = config or k_ln.default_config(x.shape[1])
+        out, total = torch.ops.autoragged.add_layer_norm(
+            x, residual, weight, bias, float(eps), store_sum, c.block_m, c.num_warps
+        )
+        return out, (total if store_sum else None)
+    return k_ln.add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config)
+
+
+# -- RaggedTensor ops -----------------------------------------------------------------------------
+def _same_layout(name: str, first: RaggedTensor, *others: RaggedTensor) -> None:
+    for i, other in enumerate(others, 1):
+        if not isinstance(other, RaggedTensor):
+            raise TypeError(f"{name}: argument {i} is a {type(other).__name__}, not a RaggedTensor")
+        if not first.layout.same_as(other.layout):
+            raise ValueError(
+                f"{name}: argument {i} has another layout ({other.layout}) than argument 0 ({first.layout})"
+            )
+        if other.device != first.device or other.dtype != first.dtype:
+            raise ValueError(
+                f"{name}: argument {i} is {other.dtype} on {other.device}, argument 0 {first.dtype} on {first.device}"
+            )
+
+
+def ragged_attention(
+    q: RaggedTensor,
+    k: RaggedTensor,
+    v: RaggedTensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    config: KernelConfig | None = None,
+) -> RaggedTensor:
+    """Flash-attention forward within each component: q, k, v have values (T, H, Dh) and one layout.
+
+    fp16 / bf16 / fp32; head dims 32, 64, 80, 96, 128; `scale` defaults to 1/sqrt(Dh); `causal` masks
+    keys after each query. No device->host sync: the grid comes from the host lengths.
+    """
+    if not isinstance(q, RaggedTensor):
+        raise TypeError(f"ragged_attention: q is a {type(q).__name__}, not a RaggedTensor")
+    _same_layout("ragged_attention", q, k, v)
+    if q.values.dim() != 3:
+        raise ValueError(f"ragged_attention: values must be (T, H, Dh), got {tuple(q.values.shape)}")
+    out = attention_values(q.values, k.values, v.values, q.layout, causal=causal, scale=scale, config=config)
+    return q.with_values(_zero_gaps(out, q.layout))
+
+
+def ragged_linear(
+    x: RaggedTensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    config: KernelConfig | None = None,
+) -> RaggedTensor:
+    """act(x W^T + b) per token, with `nn.Linear`'s weight layout (N, K); activation None / "relu" / "gelu".
+    `config.backend == "cublas"` uses torch.nn.functional.linear instead of the Triton kernel."""
+    if not isinstance(x, RaggedTensor):
+        raise TypeError(f"ragged_linear: x is a {type(x).__name__}, not a RaggedTensor")
+    if x.values.dim() != 2:
+        raise ValueError(f"ragged_linear: values must be (T, K), got {tuple(x.values.shape)}")
+    return x.with_values(_zero_gaps(linear_values(x.values, weight, bias, activation, config), x.layout))
+
+
+def ragged_bmm(x: RaggedTensor, weights: torch.Tensor, config: KernelConfig | None = None) -> RaggedTensor:
+    """Component i (length_i, K) times weights[i] (K, N): PyCoRa's ragged batched matmul."""
+    if not isinstance(x, RaggedTensor):
+        raise TypeError(f"ragged_bmm: x is a {type(x).__name__}, not a RaggedTensor")
+    if x.values.dim() != 2:
+        raise ValueError(f"ragged_bmm: values must be (T, K), got {tuple(x.values.shape)}")
+    if weights.dim() != 3 or weights.shape[0] != x.batch_size or weights.shape[1] != x.values.shape[1]:
+        raise ValueError(
+            f"ragged_bmm: weights must be (B, K, N) = ({x.batch_size}, {x.values.shape[1]}, N), "
+            f"got {tuple(weights.shape)}"
+        )
+    return x.with_values(_zero_gaps(bmm_values(x.values, weights, x.layout, config), x.layout))
+
+
+def ragged_add_layer_norm(
+    x: RaggedTensor,
+    residual: RaggedTensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    return_sum: bool = False,
+) -> RaggedTensor | tuple[RaggedTensor, RaggedTensor]:
+    """LayerNorm(x + residual) over the feature dim, fused; with `return_sum` also x + residual."""
+    if not isinstance(x, RaggedTensor):
+        raise TypeError(f"ragged_add_layer_norm: x is a {type(x).__name__}, not a RaggedTensor")
+    if residual is not None:
+        _same_layout("ragged_add_layer_norm", x, residual)
+    if x.values.dim() != 2:
+        raise ValueError(f"ragged_add_layer_norm: values must be (T, N), got {tuple(x.values.shape)}")
+    out, total = add_layer_norm_values(
+        x.values, None if residual is None else residual.values, weight, bias, eps, store_sum=return_sum
+    )
+    normed = x.with_values(_zero_gaps(out, x.layout))
+    if return_sum:
+        return normed, x.with_values(_zero_gaps(total, x.layout))
+    return normed

@@ -1,0 +1,126 @@
+"""Fused residual add + LayerNorm over the feature dim: y = LN(x + residual) * weight + bias.
+
+An encoder layer calls it twice (post-norm: after attention and after the feed-forward). Each program
+normalises BLOCK_M rows at once (fp32 statistics), so short feature dims still give each program
+enough work. With `store_sum`, the sum x + residual is written too (pre-norm layers carry it on).
+
+Shape contracts
+    x, residual:   (T, N), stride 1 on N (residual may be None)
+    weight, bias:  (N,) or None
+    out:           (T, N); sum_out: (T, N) when store_sum
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._config import KernelConfig, _identity, next_pow2
+from ._triton import tl, triton
+
+__all__ = ["add_layer_norm", "add_layer_norm_ref", "CONFIGS", "default_config", "prune"]
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    X, R, Wt, Bs, Y, S, M, N, eps,
+    stride_x, stride_r, stride_y, stride_s,
+    HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if STORE_SUM:
+        tl.store(S + rows64 * stride_s + cols[None, :], x.to(S.dtype.element_ty), mask=mask)
+    mean = tl.sum(x, axis=1) / N
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    y = centered * tl.math.rsqrt(var + eps)[:, None]
+    if HAS_W:
+        y = y * tl.load(Wt + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(Bs + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+# Keyed by (N, dtype) only: the op is row-local, so lengths do not matter. block_m = rows per
+# program; num_warps spread one tile.
+CONFIGS = [KernelConfig(block_m=bm, num_warps=w, num_stages=1) for bm in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]
+
+
+def prune(config: KernelConfig, *, n: int) -> bool:
+    elements = config.block_m * next_pow2(n)
+    return 256 <= elements <= 32 * 1024 and config.num_warps * 32 * 4 <= elements
+
+
+def default_config(n: int) -> KernelConfig:
+    """About 4K elements per program (8 rows of 512) with a warp per 1K elements."""
+    bn = next_pow2(n)
+    block_m = max(1, min(16, 4096 // bn))
+    return KernelConfig(block_m=block_m, num_warps=max(1, min(8, block_m * bn // 1024)), num_stages=1)
+
+
+def _check(x, residual, weight, bias) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, N), got {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (p.dim() != 1 or p.shape[0] != x.shape[1]):
+            raise ValueError(f"{name} must be (N,) = ({x.shape[1]},), got {tuple(p.shape)}")
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    store_sum: bool = False,
+    config: KernelConfig | None = None,
+    wrap=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(LN(x + residual), x + residual if store_sum else None), both (T, N) in x's dtype."""
+    _check(x, residual, weight, bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    M, N = x.shape
+    config = config or default_config(N)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    total = torch.empty_like(out) if store_sum else None
+    if M == 0 or N == 0:
+        return out, total
+    if next_pow2(N) > 65536:
+        raise ValueError(f"feature dim {N} is too large for one tile; the limit is 65536")
+    dummy = out
+    (wrap or _identity)(_add_layer_norm_kernel)[(triton.cdiv(M, config.block_m),)](
+        x, residual if residual is not None else dummy, weight if weight is not None else dummy,
+        bias if bias is not None else dummy, out, total if total is not None else dummy, M, N, float(eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        total.stride(0) if total is not None else 0,
+        HAS_RES=residual is not None, STORE_SUM=store_sum, HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_M=config.block_m, BLOCK_N=next_pow2(N), num_warps=config.num_warps,
+    )  # fmt: skip
+    return out, total
+
+
+def add_layer_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    store_sum: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """PyTorch's own computation: the sum in x's dtype, then F.layer_norm."""
+    total = x if residual is None else x + residual
+    out = F.layer_norm(total, (x.shape[1],), weight, bias, eps)
+    return out, (total if store_sum else None)

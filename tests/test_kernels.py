@@ -1,0 +1,286 @@
+"""Ragged kernels against fp64 references, on awkward layouts, with NaN-poisoned outputs.
+
+Runs the Triton kernels compiled on CUDA or in the interpreter on CPU (conftest sets TRITON_INTERPRET=1
+without a GPU), and the PyTorch reference path of `autoragged.ops` on every device.
+"""
+
+import pytest
+import torch
+from _tolerance import assert_within_torch_error
+from conftest import DEVICES, triton_available
+
+import autoragged.ops as ops
+from autoragged import KernelConfig, RaggedTensor
+from kernels import ragged_add_layer_norm as k_ln
+from kernels import ragged_attention as k_attn
+from kernels import ragged_bmm as k_bmm
+from kernels import ragged_linear as k_lin
+from kernels._config import interpreting
+
+TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# lengths 1, 63, 64, 65, 129, 257, zero-length and length-1 components, one long outlier among short ones
+LAYOUTS = {
+    "edges": [1, 0, 63, 64, 65],
+    "outlier": [3, 1, 129, 2, 0, 5],
+    "long": [257, 17],
+    "single": [33],
+}
+
+
+def _real_rows(rt: RaggedTensor) -> torch.Tensor:
+    mask = torch.zeros(rt.values.shape[0], dtype=torch.bool)
+    for start, n in zip(rt.layout.offsets, rt.lengths):
+        mask[start : start + n] = True
+    return mask.to(rt.device)
+
+
+def _ragged(lengths, features, dtype, device, align=1, scale=1.0):
+    x = torch.randn(len(lengths), max(lengths), *features, dtype=torch.float64) * scale
+    return RaggedTensor.from_padded(x.to(dtype).to(device), lengths, align=align)
+
+
+# -- attention ------------------------------------------------------------------------------------
+ATTN_CONFIGS = [
+    KernelConfig(block_m=16, block_n=16, num_warps=2, num_stages=1),
+    KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=2),
+    KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
+]
+
+
+def _attention_case(device, dtype, lengths, head_dim, causal, config, align, heads=2):
+    rt = _ragged(lengths, (3, heads, head_dim), dtype, device, align)
+    q, k, v = rt.values.unbind(1)  # strided views, as an encoder's fused qkv projection gives them
+    offsets, dev_lengths = rt.layout.device_meta(rt.device)
+    grid_mapping, block_offsets = rt.prelude(config.block_m)
+    out = torch.full_like(q, float("nan"))  # poison: every real row must be written
+    k_attn.ragged_attention(q, k, v, offsets, dev_lengths, grid_mapping, block_offsets, causal=causal, config=config, out=out)
+    real = _real_rows(rt)
+    ref64 = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), rt.layout.offsets, lengths, causal=causal)
+    same = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths, causal=causal, upcast=False)
+    assert_within_torch_error(out[real], same[real], ref64[real], f"attention {dtype} {lengths} {config.short()}")
+    assert torch.isnan(out[~real]).all(), "the kernel wrote rows outside the components"
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["edges", "outlier", "long"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_layouts(device, dtype, layout, causal):
+    config = ATTN_CONFIGS[hash((layout, causal)) % 2 + 1]
+    _attention_case(device, dtype, LAYOUTS[layout], 32, causal, config, align=8)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("head_dim", k_attn.HEAD_DIMS)
+def test_attention_head_dims(device, head_dim):
+    _attention_case(device, torch.float16, [1, 40, 17], head_dim, False, ATTN_CONFIGS[1], align=1, heads=1)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: c.short())
+@pytest.mark.parametrize("align", [1, 8, 16, 64])
+def test_attention_configs_and_aligns(device, config, align):
+    _attention_case(device, torch.float16, [5, 0, 47, 16], 64, True, config, align=align, heads=1)
+
+
+def test_attention_scale_argument():
+    rt = _ragged([9, 4], (3, 1, 32), torch.float32, "cpu")
+    q, k, v = (RaggedTensor(t, rt.layout) for t in rt.values.unbind(1))
+    a = ops.ragged_attention(q, k, v, scale=0.5)
+    b = ops.ragged_attention(RaggedTensor(q.values * (0.5 * 32**0.5), q.layout), k, v)
+    torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+# -- linear ---------------------------------------------------------------------------------------
+LINEAR_CONFIGS = [
+    KernelConfig(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=2),
+    KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, group_m=2),
+]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", k_lin.ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(1, 48, 40), (130, 96, 64), (65, 16, 16), (0, 8, 16)], ids=str)
+def test_linear(device, dtype, activation, shape):
+    M, N, K = shape
+    x = torch.randn(M, K, dtype=torch.float64).to(dtype).to(device)
+    w = (torch.randn(N, K, dtype=torch.float64) / K**0.5).to(dtype).to(device)
+    b = torch.randn(N, dtype=torch.float64).to(dtype).to(device)
+    for config in LINEAR_CONFIGS:
+        for bias in (b, None):
+            y = k_lin.ragged_linear(x, w, bias, activation, config)
+            ref64 = k_lin.ragged_linear_ref(x.double(), w.double(), None if bias is None else bias.double(), activation)
+            same = k_lin.ragged_linear_ref(x, w, bias, activation)
+            assert y.shape == (M, N) and y.dtype == dtype
+            assert_within_torch_error(y, same, ref64, f"linear {dtype} {shape} {activation} {config.short()}")
+
+
+def test_linear_strided_input_and_cublas_backend(device):
+    x = torch.randn(40, 64, device=device)[:, :32]  # row stride 64
+    w = torch.randn(24, 32, device=device)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    for config in (LINEAR_CONFIGS[0], KernelConfig(backend="cublas")):
+        torch.testing.assert_close(ops.linear_values(x, w, None, None, config).double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# -- bmm ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["edges", "outlier"])
+@pytest.mark.parametrize("align", [1, 16])
+def test_bmm(device, dtype, layout, align):
+    lengths = LAYOUTS[layout]
+    rt = _ragged(lengths, (40,), dtype, device, align)
+    weights = (torch.randn(len(lengths), 40, 24, dtype=torch.float64) / 40**0.5).to(dtype).to(device)
+    config = KernelConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=2)
+    offsets, dev_lengths = rt.layout.device_meta(rt.device)
+    grid_mapping, block_offsets = rt.prelude(config.block_m)
+    out = torch.full((rt.values.shape[0], 24), float("nan"), dtype=dtype, device=device)
+    k_bmm.ragged_bmm(rt.values, weights, offsets, dev_lengths, grid_mapping, block_offsets, config=config, out=out)
+    real = _real_rows(rt)
+    ref64 = k_bmm.ragged_bmm_ref(rt.values.double(), weights.double(), rt.layout.offsets, lengths)
+    same = k_bmm.ragged_bmm_ref(rt.values, weights, rt.layout.offsets, lengths, upcast=False)
+    assert_within_torch_error(out[real], same[real], ref64[real], f"bmm {dtype} {lengths}")
+    assert torch.isnan(out[~real]).all()
+
+
+# -- add + layer norm -----------------------------------------------------------------------------
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [32, 48, 512])
+def test_add_layer_norm(device, dtype, n):
+    x = (torch.randn(37, n, dtype=torch.float64) * 3 + 1).to(dtype).to(device)
+    r = torch.randn(37, n, dtype=torch.float64).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(n, dtype=torch.float64)).to(dtype).to(device)
+    b = (0.1 * torch.randn(n, dtype=torch.float64)).to(dtype).to(device)
+    for config in (k_ln.default_config(n), KernelConfig(block_m=4, num_warps=2, num_stages=1)):
+        for residual, weight, bias in ((r, w, b), (None, w, b), (r, None, None)):
+            out, total = k_ln.add_layer_norm(x, residual, weight, bias, 1e-5, store_sum=True, config=config)
+            args64 = [None if t is None else t.double() for t in (x, residual, weight, bias)]
+            ref64, _ = k_ln.add_layer_norm_ref(*args64, 1e-5)
+            same, _ = k_ln.add_layer_norm_ref(x, residual, weight, bias, 1e-5)
+            assert_within_torch_error(out, same, ref64, f"add_layer_norm {dtype} n={n}")
+            expected_sum = x if residual is None else (x.double() + residual.double()).to(dtype)
+            # exact, except that the interpreter truncates to bf16 (one ulp; see tests/_tolerance.py)
+            ulp = torch.finfo(dtype).eps * 2 if dtype == torch.bfloat16 and interpreting() else 0.0
+            torch.testing.assert_close(total, expected_sum, rtol=ulp, atol=0)
+
+
+# -- the public ops on RaggedTensors: one suite, both backends -----------------------------------
+BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
+
+
+@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
+def backend(request, monkeypatch):
+    device, impl = request.param
+    if impl == "reference":
+        monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    return torch.device(device)
+
+
+def test_ops_keep_layout_and_zero_gaps(backend):
+    lengths = [5, 0, 19, 1]
+    qkv = _ragged(lengths, (3, 2, 32), torch.float32, backend, align=16)
+    q, k, v = (RaggedTensor(t, qkv.layout) for t in qkv.values.unbind(1))
+    a = ops.ragged_attention(q, k, v, causal=True)
+    x = RaggedTensor(a.values.reshape(a.values.shape[0], 64), a.layout)
+    w, bias = torch.randn(48, 64, device=backend), torch.randn(48, device=backend)
+    h = ops.ragged_linear(x, w, bias, "gelu")
+    ln_w, ln_b = torch.randn(48, device=backend), torch.randn(48, device=backend)
+    normed, total = ops.ragged_add_layer_norm(h, h, ln_w, ln_b, 1e-5, return_sum=True)
+    y = ops.ragged_bmm(normed, torch.randn(4, 48, 8, device=backend))
+    gaps = ~_real_rows(qkv)
+    for out in (a, h, normed, total, y):
+        assert out.layout is qkv.layout
+        assert (out.values[gaps] == 0).all(), "gap rows must be zero after a public op"
+    # compare each component with a dense computation on that component alone
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        qi, ki, vi = (t.select(i).transpose(0, 1) for t in (q, k, v))
+        dense = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(a.select(i), dense, rtol=2e-4, atol=2e-4)
+        hi = torch.nn.functional.gelu(x.select(i) @ w.T + bias)
+        torch.testing.assert_close(h.select(i), hi, rtol=2e-4, atol=2e-4)
+        ni = torch.nn.functional.layer_norm(2 * hi, (48,), ln_w, ln_b)
+        torch.testing.assert_close(normed.select(i), ni, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda q: ops.ragged_attention(q, q, q.values), TypeError, "not a RaggedTensor"),
+        (lambda q: ops.ragged_attention(q, q, RaggedTensor.from_padded(torch.randn(2, 9, 1, 32), [9, 3])), ValueError, "another layout"),
+        (lambda q: ops.ragged_attention(q, q, q.to(torch.float64)), ValueError, "float64"),
+        (lambda q: ops.ragged_linear(q, torch.randn(8, 32)), ValueError, "values must be (T, K)"),
+        (lambda q: ops.linear_values(q.values[:, 0], torch.randn(8, 31)), ValueError, "disagree"),
+        (lambda q: ops.linear_values(q.values[:, 0], torch.randn(8, 32), activation="tanh"), ValueError, "activation"),
+        (lambda q: ops.ragged_bmm(RaggedTensor(q.values[:, 0], q.layout), torch.randn(3, 32, 4)), ValueError, "weights must be (B, K, N) = (2"),
+    ],
+)
+def test_op_errors_are_named(call, exc, words):
+    q = RaggedTensor.from_padded(torch.randn(2, 9, 1, 32), [9, 4])
+    with pytest.raises(exc) as info:
+        call(q)
+    assert words in str(info.value)
+
+
+def test_attention_rejects_unsupported_head_dim():
+    x = torch.randn(5, 1, 48)
+    offsets, lengths = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head dim 48 is not supported"):
+        k_attn.ragged_attention(x, x, x, offsets, lengths, torch.zeros(1, dtype=torch.int32), offsets)
+
+
+# -- config spaces --------------------------------------------------------------------------------
+def test_config_spaces_are_pruned_and_defaults_pass_their_predicates():
+    kept = [c for c in k_attn.CONFIGS if k_attn.prune(c, head_dim=64, max_len=512, causal=True)]
+    assert 0 < len(kept) < len(k_attn.CONFIGS)
+    assert all(c.block_m % c.block_n == 0 for c in kept)
+    assert k_attn.prune(k_attn.DEFAULT_CONFIG, head_dim=64, max_len=512)
+    short = [c for c in k_attn.CONFIGS if k_attn.prune(c, head_dim=64, max_len=13)]
+    assert all(c.block_m <= 16 for c in short)
+    assert k_lin.prune(k_lin.DEFAULT_CONFIG, n=1536, k=512)
+    assert any(c.backend == "cublas" for c in k_lin.CONFIGS)
+    assert k_ln.prune(k_ln.default_config(512), n=512)
+    assert k_bmm.prune(k_bmm.DEFAULT_CONFIG, max_len=100, n=64, k=64)
+
+
+def test_kernel_config_validation():
+    with pytest.raises(ValueError, match="block_m must be a positive power of two"):
+        KernelConfig(block_m=48)
+    with pytest.raises(ValueError, match="backend"):
+        KernelConfig(backend="cudnn")
+    c = KernelConfig(block_m=32, align=16)
+    assert KernelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="unknown KernelConfig fields"):
+        KernelConfig.from_dict({"block_q": 3})
+
+
+# -- torch.library registration -------------------------------------------------------------------
+def test_registered_ops_propagate_shapes_with_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(100, 8, 64, dtype=torch.float16)
+        meta = torch.empty(5, dtype=torch.int32)
+        out = torch.ops.autoragged.ragged_attention(q, q, q, meta, meta[:4], meta, meta, False, 0.125, 64, 64, 4, 2)
+        assert out.shape == (100, 8, 64) and out.dtype == torch.float16
+        y = torch.ops.autoragged.ragged_linear(torch.empty(100, 512), torch.empty(2048, 512), None, 1, 64, 64, 32, 4, 2, 8)
+        assert y.shape == (100, 2048)
+        n, s = torch.ops.autoragged.add_layer_norm(torch.empty(100, 512), None, None, None, 1e-5, True, 8, 4)
+        assert n.shape == s.shape == (100, 512)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_registered_op_runs_eagerly(device):
+    rt = _ragged([7, 3], (3, 2, 32), torch.float32, device)
+    q, k, v = rt.values.unbind(1)
+    offsets, lengths = rt.layout.device_meta(rt.device)
+    gm, bo = rt.prelude(16)
+    out = torch.ops.autoragged.ragged_attention(q, k, v, offsets, lengths, gm, bo, False, 32**-0.5, 16, 16, 2, 1)
+    ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
