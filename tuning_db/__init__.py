@@ -1,0 +1,27 @@
+"""The SQLite tuning database: every measurement, decision and cost model of autoragged, per device.
+
+    from tuning_db import TuningDB
+    with TuningDB.open() as db:          # ~/.cache/autoragged/tuning.sqlite, or $AUTORAGGED_DB
+        db.add_decisions(buffer)         # one transaction for the whole list
+        db.decisions(device=key, limit=100)
+
+Layer rule: this package imports sqlite-utils and the standard library only (no torch, numpy or autoragged);
+sqlite-utils itself is imported when a database is opened, so importing the records is cheap.
+"""
+
+from ._db import ModelRecord, TuningDB, default_path
+from ._errors import DatabaseError
+from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
+
+__all__ = [
+    "TuningDB",
+    "DatabaseError",
+    "default_path",
+    "ModelRecord",
+    "BatchStats",
+    "DeviceKey",
+    "ModuleSignature",
+    "Decision",
+    "Measurement",
+    "config_key",
+]

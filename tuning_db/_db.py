@@ -1,0 +1,485 @@
+"""`TuningDB`: the typed read/write API over one SQLite file.
+
+One file per user (default `~/.cache/autoragged/tuning.sqlite`, `AUTORAGGED_DB` overrides, `path=` overrides
+both), in WAL mode so that readers never block the writer and several processes can share it. Every
+write is one `BEGIN IMMEDIATE` transaction: a list of decisions or measurements goes in as one
+transaction, never one per row. The connection may be used from any thread (the runtime flushes from a
+background thread); a lock serialises its use inside the process, SQLite's locks across processes.
+
+JSON columns hold strict JSON (no NaN/inf, no pickle): a shared file must be safe to load, and SQLite's
+own `json_extract` must be able to read it in reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._errors import DatabaseError, explain
+from .migrations import DATA_TABLES, MIGRATIONS, applied_migrations, migrate, unknown_migrations, write_transaction
+from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
+
+if TYPE_CHECKING:  # imported lazily in TuningDB.open: sqlite-utils pulls in numpy and click (~100 ms)
+    import sqlite_utils
+
+__all__ = ["TuningDB", "ModelRecord", "default_path", "ENV_VAR", "BUSY_TIMEOUT_S"]
+
+log = logging.getLogger("autoragged")
+
+ENV_VAR = "AUTORAGGED_DB"
+BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another process's write transaction before failing
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
+
+
+def default_path() -> Path:
+    """`$AUTORAGGED_DB` when set (and not empty), else `~/.cache/autoragged/tuning.sqlite`; absolute."""
+    env = os.environ.get(ENV_VAR)
+    path = Path(env) if env else Path.home() / ".cache" / "autoragged" / "tuning.sqlite"
+    return Path(os.path.abspath(path.expanduser()))
+
+
+@dataclass
+class ModelRecord:
+    """A fitted cost model as stored: `payload` is the compiled model (JSON), `metrics` its fit quality.
+
+    signature: the `ModuleSignature.key` it was fit for, "*" for all signatures; created: unix seconds.
+    """
+
+    id: int
+    device: str
+    signature: str
+    feature_version: int
+    kind: str
+    payload: dict[str, Any]
+    metrics: dict[str, Any]
+    created: float
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+
+def _key(value: Any) -> Any:
+    """A `DeviceKey`/`ModuleSignature` stands for its `.key`; strings (and None) pass through."""
+    return value.key if isinstance(value, (DeviceKey, ModuleSignature)) else value
+
+
+def _dumps(value: Any, what: str) -> str:
+    """Strict, compact JSON of `value`; a clear error when it is not JSON (arrays, NaN, objects)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise type(e)(
+            f"{what} cannot be stored as JSON ({e}); the tuning database stores strict JSON only (never pickle): "
+            "convert arrays with .tolist() and leave out NaN/inf"
+        ) from e
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _stats_row(stats: BatchStats) -> dict[str, Any]:
+    return {name: getattr(stats, name) for name in _STATS_FIELDS}
+
+
+def _stats_from(row: dict[str, Any]) -> BatchStats:
+    return BatchStats(**{name: row[name] for name in _STATS_FIELDS})
+
+
+def decision_row(d: Decision) -> dict[str, Any]:
+    """The `decisions` row of `d` (without id)."""
+    return {
+        "time": d.time,
+        "device": _key(d.device),
+        "signature": _key(d.signature),
+        "arm": d.arm,
+        "config_key": config_key(d.config),
+        "config": None if d.config is None else _dumps(d.config, "Decision.config"),
+        **_stats_row(d.stats),
+        "predicted_ms": _dumps(d.predicted_ms, "Decision.predicted_ms"),
+        "reason": d.reason,
+        "measured_ms": d.measured_ms,
+    }
+
+
+def decision_from(row: dict[str, Any]) -> Decision:
+    return Decision(
+        time=row["time"],
+        device=row["device"],
+        signature=row["signature"],
+        stats=_stats_from(row),
+        arm=row["arm"],
+        config=_loads(row["config"]),
+        predicted_ms=_loads(row["predicted_ms"]),
+        reason=row["reason"],
+        measured_ms=row["measured_ms"],
+    )
+
+
+def measurement_row(m: Measurement) -> dict[str, Any]:
+    """The `measurements` row of `m` (without id)."""
+    return {
+        "device": _key(m.device),
+        "signature": _key(m.signature),
+        "arm": m.arm,
+        "config_key": config_key(m.config),
+        "config": None if m.config is None else _dumps(m.config, "Measurement.config"),
+        **_stats_row(m.stats),
+        "median_ms": m.median_ms,
+        "p10_ms": m.p10_ms,
+        "p90_ms": m.p90_ms,
+        "reps": m.reps,
+        "time": m.time,
+        "source": m.source,
+        "distribution": m.distribution,
+        "extra": _dumps(m.extra, "Measurement.extra"),
+    }
+
+
+def measurement_from(row: dict[str, Any]) -> Measurement:
+    return Measurement(
+        device=row["device"],
+        signature=row["signature"],
+        arm=row["arm"],
+        config=_loads(row["config"]),
+        stats=_stats_from(row),
+        median_ms=row["median_ms"],
+        p10_ms=row["p10_ms"],
+        p90_ms=row["p90_ms"],
+        reps=row["reps"],
+        time=row["time"],
+        source=row["source"],
+        distribution=row["distribution"],
+        extra=_loads(row["extra"]),
+    )
+
+
+def _model_from(row: dict[str, Any]) -> ModelRecord:
+    return ModelRecord(
+        id=row["id"],
+        device=row["device"],
+        signature=row["signature"],
+        feature_version=row["feature_version"],
+        kind=row["kind"],
+        payload=json.loads(row["payload"]),
+        metrics=json.loads(row["metrics"]),
+        created=row["created"],
+    )
+
+
+def _device_from(row: dict[str, Any]) -> DeviceKey:
+    return DeviceKey(**{f.name: row[f.name] for f in dataclasses.fields(DeviceKey)})
+
+
+def _where(**filters: Any) -> tuple[str | None, list[Any]]:
+    """`col = ?` for each filter given (None = no filter); `since` means `time >= ?` (unix seconds)."""
+    clauses, args = [], []
+    for column, value in filters.items():
+        if value is None:
+            continue
+        clauses.append("time >= ?" if column == "since" else f"{column} = ?")
+        args.append(_key(value))
+    return (" AND ".join(clauses) or None), args
+
+
+# ------------------------------------------------------------------------------------------- opening
+
+
+def _check_location(path: Path) -> None:
+    """Fail early, with the remedy, on a path SQLite could only report as 'unable to open database file'."""
+    if path.is_dir():
+        raise DatabaseError(
+            f"the tuning database path {path} is a directory; pass path= or set {ENV_VAR} to a file, "
+            f"e.g. {path / 'tuning.sqlite'}"
+        )
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatabaseError(
+            f"cannot create the directory {parent} for the tuning database {path} ({e}); "
+            f"pass path= or set {ENV_VAR} to a file in a writable directory"
+        ) from e
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DatabaseError(
+            f"the directory {parent} of the tuning database {path} is not writable (SQLite keeps "
+            f"{path.name}-wal and {path.name}-shm beside the file); make it writable or set {ENV_VAR} elsewhere"
+        )
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """A connection with explicit transactions, usable from any thread, in WAL mode."""
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
+    try:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if mode != "wal":
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            log.warning("tuning database %s cannot use WAL (journal_mode=%s); writers will wait on readers", path, mode)
+        # In WAL mode NORMAL survives a killed process (commits are in the WAL); a power cut may lose the
+        # last transactions but never corrupts the file. FULL would fsync every flush of decisions.
+        conn.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _check_not_newer(db: sqlite_utils.Database, path: Path) -> None:
+    unknown = unknown_migrations(applied_migrations(db))
+    if unknown:
+        raise DatabaseError(
+            f"the tuning database {path} was written by a newer autoragged (schema migrations unknown here: "
+            f"{', '.join(unknown)}); upgrade autoragged, or set {ENV_VAR} to another file"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- API
+
+
+class TuningDB:
+    """An open tuning database. Build with `TuningDB.open(path)`; also a context manager that closes it."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection, db: sqlite_utils.Database):
+        """Private: use `TuningDB.open`."""
+        self.path = path
+        self._conn: sqlite3.Connection | None = conn
+        self._db = db
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str] | None = None) -> TuningDB:
+        """Open (creating and migrating as needed) the database at `path` (default: `default_path()`).
+
+        Raises DatabaseError, naming the path and the remedy, for a directory, an unwritable location, a
+        file that is not SQLite or is corrupt, or a schema written by a newer autoragged.
+        """
+        import sqlite_utils
+
+        db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
+        _check_location(db_path)
+        conn = None
+        try:
+            conn = _connect(db_path)
+            db = sqlite_utils.Database(conn, execute_plugins=False)
+            _check_not_newer(db, db_path)
+            applied = migrate(db)
+            _check_not_newer(db, db_path)  # a newer process may have migrated while we did
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            raise explain(e, db_path, "opening it") from e
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        log.debug("tuning database %s open (schema %d, applied now: %s)", db_path, len(MIGRATIONS), applied)
+        return cls(db_path, conn, db)
+
+    # -- plumbing
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r}{'' if self._conn else ', closed'})"
+
+    def close(self) -> None:
+        """Close the connection (idempotent). SQLite checkpoints the WAL when the last connection closes."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    @contextmanager
+    def _use(self, doing: str) -> Iterator[sqlite_utils.Database]:
+        """The sqlite-utils handle, under the lock, with sqlite3 errors turned into DatabaseError."""
+        with self._lock:
+            if self._conn is None:
+                raise DatabaseError(f"the tuning database {self.path} is closed; open it again with TuningDB.open")
+            try:
+                yield self._db
+            except sqlite3.Error as e:
+                raise explain(e, self.path, doing) from e
+
+    @contextmanager
+    def _write(self, doing: str) -> Iterator[sqlite_utils.Database]:
+        """One write transaction (`BEGIN IMMEDIATE` ... `COMMIT`, rolled back on any exception)."""
+        with self._use(doing) as db, write_transaction(db.conn):
+            yield db
+
+    @property
+    def schema_version(self) -> int:
+        """The number of migrations applied to this file."""
+        with self._use("reading the schema version") as db:
+            return len(applied_migrations(db))
+
+    def optuna_storage_url(self) -> str:
+        """The SQLAlchemy URL for optuna's study tables in this same file: `sqlite:///` + absolute path."""
+        return f"sqlite:///{self.path}"
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table of this package (not optuna's), for reports and tests."""
+        with self._use("counting rows") as db:
+            return {table: db.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] for table in DATA_TABLES}
+
+    # -- devices and kernel configs
+
+    def register_device(self, dev: DeviceKey) -> str:
+        """Insert or update `dev` (first_seen is kept from the first time); returns `dev.key`."""
+        row = {"key": dev.key, **dev.to_dict()}
+        with self._write("registering a device") as db:
+            db["devices"].upsert(row, pk="key")
+            db.execute("UPDATE devices SET first_seen = ? WHERE key = ? AND first_seen IS NULL", [time.time(), dev.key])
+        return dev.key
+
+    def devices(self) -> list[DeviceKey]:
+        """Every registered device, oldest first."""
+        with self._use("reading devices") as db:
+            return [_device_from(row) for row in db["devices"].rows_where(order_by="first_seen, key")]
+
+    def register_config(self, op: str, config: dict[str, Any]) -> str:
+        """Insert or update a kernel config of `op` (e.g. "ragged_attention"); returns `config_key(config)`.
+
+        The key depends on the config dict only: one dict registered for two ops is one row (last op wins).
+        """
+        if not config:
+            raise ValueError("config is empty: the padded arm has no kernel config to register")
+        key = config_key(config)
+        row = {"key": key, "op": op, "config": _dumps(config, "config")}
+        with self._write("registering a kernel config") as db:
+            db["kernel_configs"].upsert(row, pk="key")
+        return key
+
+    # -- measurements and decisions
+
+    def add_measurements(self, measurements: Iterable[Measurement]) -> int:
+        """Append measurements in one transaction; returns the number of rows written."""
+        rows = [measurement_row(m) for m in measurements]  # encode first: a bad record writes nothing
+        if rows:
+            with self._write(f"writing {len(rows)} measurements") as db:
+                db["measurements"].insert_all(rows)
+        return len(rows)
+
+    def measurements(
+        self,
+        *,
+        device: str | DeviceKey | None = None,
+        signature: str | ModuleSignature | None = None,
+        source: str | None = None,
+        arm: str | None = None,
+        since: float | None = None,
+    ) -> list[Measurement]:
+        """Measurements matching every filter given (`since`: time >= since, unix seconds), oldest first."""
+        where, args = _where(device=device, signature=signature, source=source, arm=arm, since=since)
+        with self._use("reading measurements") as db:
+            rows = db["measurements"].rows_where(where, args, order_by="time, id")
+            return [measurement_from(row) for row in rows]
+
+    def add_decisions(self, decisions: Iterable[Decision]) -> int:
+        """Append decisions in one transaction (the runtime's flush); returns the number of rows written."""
+        rows = [decision_row(d) for d in decisions]  # encode first: a bad record writes nothing
+        if rows:
+            with self._write(f"writing {len(rows)} decisions") as db:
+                db["decisions"].insert_all(rows)
+        return len(rows)
+
+    def decisions(
+        self,
+        *,
+        device: str | DeviceKey | None = None,
+        signature: str | ModuleSignature | None = None,
+        since: float | None = None,
+        limit: int | None = None,
+    ) -> list[Decision]:
+        """Decisions matching every filter given: oldest first, or with `limit` the newest `limit`, newest first."""
+        where, args = _where(device=device, signature=signature, since=since)
+        order = "time, id" if limit is None else "time DESC, id DESC"
+        with self._use("reading decisions") as db:
+            rows = db["decisions"].rows_where(where, args, order_by=order, limit=limit)
+            return [decision_from(row) for row in rows]
+
+    # -- cost models
+
+    def save_model(
+        self,
+        *,
+        device: str | DeviceKey,
+        feature_version: int,
+        kind: str,
+        payload: dict[str, Any],
+        metrics: dict[str, Any],
+        signature: str | ModuleSignature = "*",
+    ) -> int:
+        """Store a fitted model (payload and metrics as strict JSON, never pickle); returns its id."""
+        row = {
+            "device": _key(device),
+            "signature": _key(signature),
+            "feature_version": feature_version,
+            "kind": kind,
+            "payload": _dumps(payload, "model payload"),
+            "metrics": _dumps(metrics, "model metrics"),
+            "created": time.time(),
+        }
+        with self._write("saving a model") as db:
+            return db["models"].insert(row).last_pk
+
+    def latest_model(
+        self,
+        device: str | DeviceKey,
+        *,
+        feature_version: int | None = None,
+        signature: str | ModuleSignature | None = None,
+    ) -> ModelRecord | None:
+        """The newest model (by `created`) for `device`, or None.
+
+        feature_version: only models with these features. signature: only models that apply to it, i.e.
+        fit for it or for "*" (all); one fit for it wins over a "*" one. None: any signature.
+        """
+        where, args = _where(device=device, feature_version=feature_version)
+        order = "created DESC, id DESC"
+        if signature is not None:
+            where = (f"{where} AND " if where else "") + "signature IN (?, '*')"
+            args.append(_key(signature))
+            order = "signature = '*', " + order  # 0 (fit for this signature) sorts first
+        with self._use("reading models") as db:
+            rows = list(db["models"].rows_where(where, args, order_by=order, limit=1))
+            return _model_from(rows[0]) if rows else None
+
+    def models(self, device: str | DeviceKey | None = None) -> list[ModelRecord]:
+        """Every model (of `device` when given), oldest first."""
+        where, args = _where(device=device)
+        with self._use("reading models") as db:
+            return [_model_from(row) for row in db["models"].rows_where(where, args, order_by="created, id")]
+
+    # -- tuner bookkeeping
+
+    def mark_done(self, device: str | DeviceKey, plan: str, items: Iterable[str]) -> int:
+        """Record `items` of a tuning `plan` as finished (one transaction); returns how many were new."""
+        now = time.time()
+        rows = [{"device": _key(device), "plan": plan, "item": item, "done": now} for item in items]
+        if not rows:
+            return 0
+        with self._write("marking tuning items done") as db:
+            before = db.conn.total_changes
+            db["tune_items"].insert_all(rows, ignore=True)
+            return db.conn.total_changes - before
+
+    def done_items(self, device: str | DeviceKey, plan: str) -> set[str]:
+        """The items of `plan` already finished on `device` (for a resumed tuning run)."""
+        where, args = _where(device=device, plan=plan)
+        with self._use("reading tuning progress") as db:
+            return {row["item"] for row in db["tune_items"].rows_where(where, args, select="item")}

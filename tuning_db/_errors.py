@@ -1,0 +1,44 @@
+"""`DatabaseError`: every failure of the tuning database, with the path, what is wrong and what to do."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+__all__ = ["DatabaseError", "explain"]
+
+_MOVE_AWAY = "move it away or point AUTORAGGED_DB elsewhere"
+
+
+class DatabaseError(Exception):
+    """The tuning database cannot be opened, read or written; the message names the file and the remedy."""
+
+
+def _code(error: sqlite3.Error) -> str:
+    """SQLite's error name (`SQLITE_CORRUPT`, ...) where Python exposes it (3.11+), else ""."""
+    return getattr(error, "sqlite_errorname", "") or ""
+
+
+def explain(error: sqlite3.Error, path: Path, doing: str) -> DatabaseError:
+    """Translate a sqlite3 error raised while `doing` (e.g. "writing decisions") into a DatabaseError."""
+    text = str(error)
+    code = _code(error)
+    if code.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in text or "malformed" in text:
+        return DatabaseError(
+            f"the file is not a tuning database (corrupt or not SQLite): {path}; {_MOVE_AWAY} ({text})"
+        )
+    if code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+        return DatabaseError(
+            f"{path} stayed locked by another process through the whole busy timeout while {doing} ({text}); "
+            "retry when the other writer (a tune run?) has finished, or point AUTORAGGED_DB elsewhere"
+        )
+    if code.startswith("SQLITE_READONLY") or "readonly" in text:
+        return DatabaseError(f"{path} is read-only ({text}) while {doing}; make it writable or {_MOVE_AWAY}")
+    if code.startswith("SQLITE_CANTOPEN") or "unable to open" in text:
+        return DatabaseError(
+            f"cannot open the tuning database {path} ({text}); check that its directory exists and is writable, "
+            "or point AUTORAGGED_DB elsewhere"
+        )
+    if code.startswith("SQLITE_FULL") or "disk is full" in text:
+        return DatabaseError(f"disk full while {doing} in {path} ({text}); free some space and retry")
+    return DatabaseError(f"tuning database {path}: {text} (while {doing})")

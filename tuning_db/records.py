@@ -1,0 +1,156 @@
+"""The plain dataclasses the tuning database stores, exactly: no torch, no numpy.
+
+The runtime (`autoragged`) builds them on the hot path, so constructors here are cheap and do no I/O.
+Kernel configs cross this boundary as plain dicts (`KernelConfig.to_dict()`): this package may not
+import `kernels`, and a dict is what the database stores anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BatchStats", "DeviceKey", "ModuleSignature", "Decision", "Measurement", "config_key"]
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Length statistics of one batch (host arithmetic only).
+
+    batch: B; max_len: longest component; total: sum of lengths; sum_sq: sum of squared lengths
+    (attention work); mean, std: of the lengths; pad_fraction: share of a (B, max_len) rectangle that is
+    padding (0 when B or max_len is 0).
+    """
+
+    batch: int
+    max_len: int
+    total: int
+    sum_sq: int
+    mean: float
+    std: float
+    pad_fraction: float
+
+    @classmethod
+    def from_lengths(cls, lengths: tuple[int, ...], padded_len: int | None = None) -> BatchStats:
+        """Stats of host `lengths`; `padded_len` is the rectangle's length (default: max of lengths)."""
+        B = len(lengths)
+        if B == 0:
+            return cls(0, 0, 0, 0, 0.0, 0.0, 0.0)
+        total = sum(lengths)
+        sum_sq = sum([n * n for n in lengths])
+        max_len = max(lengths)
+        L = max_len if padded_len is None else padded_len
+        mean = total / B
+        var = max(sum_sq / B - mean * mean, 0.0)
+        area = B * L
+        return cls(B, max_len, total, sum_sq, mean, math.sqrt(var), 1.0 - total / area if area else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DeviceKey:
+    """What a calibration is valid for: the GPU (or CPU) and the software that compiles our kernels."""
+
+    name: str
+    capability: str  # "9.0" for Hopper; "cpu" on CPU
+    sm_count: int
+    memory_mb: int
+    driver: str
+    torch: str
+    triton: str
+
+    @property
+    def key(self) -> str:
+        """A stable id, e.g. `NVIDIA H100 80GB HBM3|cc9.0|132sm|torch 2.11.0|triton 3.6.0`."""
+        return f"{self.name}|cc{self.capability}|{self.sm_count}sm|torch {self.torch}|triton {self.triton}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ModuleSignature:
+    """What a wrapped module computes, as far as cost is concerned (shapes and options, not weights)."""
+
+    kind: str  # "encoder" or "encoder_layer"
+    layers: int
+    d_model: int
+    heads: int
+    ff: int
+    activation: str  # "relu" | "gelu" | other (unsupported by the ragged arm)
+    norm_first: bool
+    dtype: str  # "float16", "bfloat16", "float32"
+    bias: bool = True
+    final_norm: bool = False
+
+    @property
+    def key(self) -> str:
+        """A stable id, e.g. `encoder:6x512/8h/ff2048:relu:post:float16`."""
+        norm = "pre" if self.norm_first else "post"
+        extra = ("" if self.bias else ":nobias") + (":final_norm" if self.final_norm else "")
+        return (
+            f"{self.kind}:{self.layers}x{self.d_model}/{self.heads}h/ff{self.ff}:{self.activation}:{norm}:{self.dtype}"
+            + extra
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def config_key(config: dict[str, Any] | None) -> str:
+    """A stable id of a kernel config dict ("" for the padded arm): canonical JSON, hashed."""
+    if not config:
+        return ""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Decision:
+    """One batch's choice, as the runtime made it.
+
+    time: unix seconds; device, signature: keys (`DeviceKey.key`, `ModuleSignature.key`); arm: "padded"
+    or "ragged" (or a graph-replayed variant, "padded_graph" / "ragged_graph"); config: the ragged arm's
+    KernelConfig as a dict (None for padded); predicted_ms: predicted latency per arm label;
+    reason: why this arm (e.g. "cost model", "prior", "forced by policy", "attn_mask not supported");
+    measured_ms: filled in later when the batch was sampled for timing.
+    """
+
+    time: float
+    device: str
+    signature: str
+    stats: BatchStats
+    arm: str
+    config: dict[str, Any] | None
+    predicted_ms: dict[str, float]
+    reason: str
+    measured_ms: float | None = None
+
+
+@dataclass
+class Measurement:
+    """A timed run of one arm on one batch.
+
+    source: "tune" (the calibrator) or "runtime" (sampled from traffic); distribution: the name of the
+    length distribution the batch was drawn from ("" for traffic).
+    """
+
+    device: str
+    signature: str
+    arm: str
+    config: dict[str, Any] | None
+    stats: BatchStats
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+    time: float
+    source: str = "tune"
+    distribution: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
