@@ -22,6 +22,7 @@ from ._backend import host_to_device
 _CACHE_SIZE = 1024
 _cache: OrderedDict[tuple[tuple[int, ...], int], Layout] = OrderedDict()
 _cache_lock = threading.Lock()
+_INT_ONLY = {int}
 
 
 def as_lengths(lengths: object, *, name: str = "lengths") -> tuple[int, ...]:
@@ -30,8 +31,8 @@ def as_lengths(lengths: object, *, name: str = "lengths") -> tuple[int, ...]:
     Accepts a sequence of ints, a numpy integer array or a CPU integer tensor. A CUDA tensor is refused:
     reading it would be a hidden device->host sync.
     """
-    if isinstance(lengths, tuple) and all(type(v) is int for v in lengths):
-        out = lengths
+    if type(lengths) in (tuple, list) and (not lengths or set(map(type, lengths)) == _INT_ONLY):
+        out = tuple(lengths)  # the hot path: a host sequence of plain ints
     else:
         if isinstance(lengths, torch.Tensor):
             if lengths.device.type != "cpu":

@@ -15,7 +15,7 @@ from kernels import ragged_pack
 from ._backend import use_triton
 from ._layout import Layout, as_lengths, check_align
 
-__all__ = ["RaggedTensor", "lengths_from_mask", "strip_padding", "restore_padding"]
+__all__ = ["RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding"]
 
 
 class RaggedTensor:
@@ -365,6 +365,20 @@ def lengths_from_mask(
     key_padding=False: Cerebras VTS's convention, True/1 = real; each sequence ends at the row's first
                        False/0 and whatever follows it is ignored.
     """
+    lengths, bad_row = mask_lengths(mask, key_padding=key_padding, batch=batch, seq_len=seq_len)
+    if bad_row is not None:
+        raise ValueError(
+            f"key_padding_mask row {bad_row}: the real (False) tokens are not a prefix; ragged execution needs "
+            "right padding (sequence first, then pads)"
+        )
+    return lengths
+
+
+def mask_lengths(
+    mask: torch.Tensor, *, key_padding: bool = True, batch: int | None = None, seq_len: int | None = None
+) -> tuple[tuple[int, ...], int | None]:
+    """(lengths, first row whose real tokens are not a prefix or None): `lengths_from_mask` without the
+    error, for callers that route such batches elsewhere. One device->host copy at most."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dim() != 2:
@@ -375,22 +389,35 @@ def lengths_from_mask(
         raise TypeError(f"mask must be bool or integer, got {mask.dtype}")
     B, L = mask.shape
     if B == 0:
-        return ()
-    real = ~mask.bool() if key_padding else mask.bool()
-    if key_padding:
-        lengths = real.sum(1, dtype=torch.int32)
-        prefix = torch.arange(L, device=mask.device, dtype=torch.int32)[None, :] < lengths[:, None]
-        bad_rows = (prefix != real).any(1).to(torch.int32)
-        host = torch.cat([lengths, bad_rows]).tolist()  # the one device->host copy
-        lengths_host, bad = tuple(host[:B]), host[B:]
-        if any(bad):
-            row = bad.index(1)
-            raise ValueError(
-                f"key_padding_mask row {row}: the real (False) tokens are not a prefix; ragged execution needs "
-                "right padding (sequence first, then pads)"
-            )
-        return lengths_host
-    return tuple(real.to(torch.int32).cumprod(1).sum(1, dtype=torch.int32).tolist())
+        return (), None
+    if not key_padding:
+        return tuple(mask.bool().to(torch.int32).cumprod(1).sum(1, dtype=torch.int32).tolist()), None
+    # One product gives, per row, the count n of real tokens and the sum of their positions; the real
+    # tokens are a prefix exactly when that sum is n (n - 1) / 2 (n distinct positions sum to at least
+    # that, with equality only for 0..n-1). Two small kernels and one copy, instead of a chain of ops.
+    dtype = torch.float32 if L <= 4096 else torch.float64  # exact integer sums (< 2**24 in float32)
+    real = torch.where(mask.bool(), 0.0, 1.0).to(dtype)
+    host = (real @ _moment_weights(L, dtype, mask.device)).tolist()  # the one device->host copy
+    lengths = tuple(int(n) for n, _ in host)
+    for row, (n, position_sum) in enumerate(host):
+        if position_sum != n * (n - 1) / 2:
+            return lengths, row
+    return lengths, None
+
+
+_MOMENTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _moment_weights(L: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(L, 2): a column of ones and a column of positions 0..L-1 (cached per L, dtype and device)."""
+    key = (L, dtype, device)
+    w = _MOMENTS.get(key)
+    if w is None:
+        w = torch.stack([torch.ones(L, dtype=dtype), torch.arange(L, dtype=dtype)], dim=1).to(device)
+        if len(_MOMENTS) > 256:
+            _MOMENTS.clear()
+        _MOMENTS[key] = w
+    return w
 
 
 def strip_padding(

@@ -56,9 +56,12 @@ def attention_values(
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """q, k, v: (rows, H, Dh) values of `layout`; returns (rows, H, Dh), gap rows unspecified."""
+    k_attn.check_inputs(q, k, v)
     if not use_triton(q):
         return k_attn.ragged_attention_ref(q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale)
     config = config or k_attn.default_config(q.shape[-1], layout.max_len)
+    if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
+        config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
     grid_mapping, block_offsets = layout.prelude(config.block_m, q.device)
     if _compiling(q):
@@ -80,10 +83,11 @@ def linear_values(
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N)."""
-    if activation not in _ACT_CODE:
-        raise ValueError(f"activation must be one of {tuple(_ACT_CODE)}, got {activation!r}")
+    k_lin.check_inputs(x, weight, bias, activation)
     config = config or k_lin.default_config(weight.shape[0], weight.shape[1])
-    if config.backend == "cublas" or not use_triton(x):
+    if config.backend == "cublas":
+        return k_lin.cublas_linear(x, weight, bias, activation)
+    if not use_triton(x):
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
     if _compiling(x):
         c = config
@@ -131,6 +135,7 @@ def add_layer_norm_values(
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(LN(x + residual), the sum if store_sum) over all rows."""
+    k_ln.check_inputs(x, residual, weight, bias)
     if not use_triton(x):
         return k_ln.add_layer_norm_ref(x, residual, weight, bias, eps, store_sum=store_sum)
     if _compiling(x):

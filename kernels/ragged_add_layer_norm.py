@@ -65,7 +65,7 @@ def default_config(n: int) -> KernelConfig:
     return KernelConfig(block_m=block_m, num_warps=max(1, min(8, block_m * bn // 1024)), num_stages=1)
 
 
-def _check(x, residual, weight, bias) -> None:
+def check_inputs(x, residual, weight, bias) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be (T, N), got {tuple(x.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -87,7 +87,7 @@ def add_layer_norm(
     wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(LN(x + residual), x + residual if store_sum else None), both (T, N) in x's dtype."""
-    _check(x, residual, weight, bias)
+    check_inputs(x, residual, weight, bias)
     x = x if x.stride(1) == 1 else x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()

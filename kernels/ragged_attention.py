@@ -12,7 +12,8 @@ Shape contracts
     lengths:        (B,), int32 — real rows of each component (rows past it are never read)
     grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M)
     block_offsets:  (B + 1,), int32 — first query block of each component (prefix sum of blocks)
-    out:            (T, H, Dh), written on real rows only
+    out:            (T, H, Dh); real rows, and zeros on the gap rows of each component's last query
+                    block (all gap rows when align <= BLOCK_M); rows outside every extent untouched
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def _ragged_attn_fwd_kernel(
     block = pid - tl.load(block_offsets + comp)
     start = tl.load(offsets + comp).to(tl.int64)
     length = tl.load(lengths + comp)
+    extent = tl.load(offsets + comp + 1) - tl.load(offsets + comp)
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -127,11 +129,12 @@ def _ragged_attn_fwd_kernel(
         offs_m, offs_n, offs_d, d_mask, n_full, n_end, length,
         True, CAUSAL, BLOCK_N, PRECISION, UPCAST,
     )  # fmt: skip
-    out = acc / l_i[:, None]
+    out = tl.where(row_mask[:, None], acc / l_i[:, None], 0.0)
+    # rows in [length, extent) of this block are the component's alignment gap: written as zeros
     tl.store(
         Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
-        mask=row_mask[:, None] & d_mask[None, :],
+        mask=(offs_m < extent)[:, None] & d_mask[None, :],
     )
 
 
@@ -154,6 +157,8 @@ def prune(config: KernelConfig, *, head_dim: int, max_len: int, causal: bool = F
     bm, bn, bd = config.block_m, config.block_n, next_pow2(head_dim)
     if causal and bm % bn:
         return False  # the unmasked prefix must end on a key-tile boundary
+    if config.align > bm:
+        return False  # the last query block must cover the component's alignment gap
     if bm > max(16, next_pow2(max_len)) or bn > max(16, next_pow2(max_len)):
         return False  # tiles longer than the longest component only add masked work
     if config.num_warps * 32 > bm * bn // 8 or (bm >= 128 and config.num_warps < 4):
@@ -170,7 +175,7 @@ def default_config(head_dim: int, max_len: int) -> KernelConfig:
 
 
 # -- launcher -----------------------------------------------------------------------------------
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"q, k, v must share one (T, H, Dh) shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -203,9 +208,9 @@ def ragged_attention(
 ) -> torch.Tensor:
     """Launch the kernel; `grid_mapping` / `block_offsets` must be the prelude for `config.block_m`.
 
-    Returns `out` (T, H, Dh); rows outside components are left as they were. `wrap` is
+    Returns `out` (T, H, Dh) (see the shape contract for gap rows). `wrap` is
     `torch.library.wrap_triton` when the registered op calls this (torch.compile), else None."""
-    _check(q, k, v)
+    check_inputs(q, k, v)
     T, H, Dh = q.shape
     if out is None:
         out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)

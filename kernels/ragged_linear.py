@@ -20,7 +20,16 @@ import torch.nn.functional as F
 from ._config import KernelConfig, _identity, dot_upcast
 from ._triton import tl, triton
 
-__all__ = ["ragged_linear", "ragged_linear_ref", "CONFIGS", "DEFAULT_CONFIG", "ACTIVATIONS", "prune", "default_config"]
+__all__ = [
+    "ragged_linear",
+    "ragged_linear_ref",
+    "cublas_linear",
+    "CONFIGS",
+    "DEFAULT_CONFIG",
+    "ACTIVATIONS",
+    "prune",
+    "default_config",
+]
 
 ACTIVATIONS = (None, "relu", "gelu")
 _ACT_CODE = {None: 0, "relu": 1, "gelu": 2}
@@ -107,7 +116,7 @@ def default_config(n: int, k: int) -> KernelConfig:
 
 
 # -- launcher -----------------------------------------------------------------------------------
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x (T, K) and weight (N, K) disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
@@ -129,9 +138,9 @@ def ragged_linear(
     wrap=None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) on every row of `x`; returns a new (T, N) tensor."""
-    _check(x, weight, bias, activation)
+    check_inputs(x, weight, bias, activation)
     if config.backend == "cublas":
-        return ragged_linear_ref(x, weight, bias, activation)
+        return cublas_linear(x, weight, bias, activation)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -156,6 +165,17 @@ def ragged_linear(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def cublas_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+) -> torch.Tensor:
+    """The cuBLAS backend: one cuBLASLt call with bias and relu in its epilogue (`torch._addmm_activation`,
+    what PyTorch's own encoder fast path uses); gelu runs after it, exact (the epilogue's gelu is the
+    tanh approximation)."""
+    if activation == "relu" and bias is not None and x.is_cuda:
+        return torch._addmm_activation(bias, x, weight.t())
+    return ragged_linear_ref(x, weight, bias, activation)
 
 
 def ragged_linear_ref(

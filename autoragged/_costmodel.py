@@ -1,0 +1,135 @@
+"""What each arm costs: arms, physics-informed work counts, features, and the analytic prior.
+
+An arm is "padded" (the original module) or "ragged" with a `KernelConfig` (attention tiles, the
+layout's alignment, the linears' backend). The work counts are the physics the learned model builds
+on: FLOPs of the linear and attention parts and the bytes the elementwise passes move, for the rows
+each arm really computes (the padded rectangle, or the real rows plus alignment and tile waste).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels._config import KernelConfig
+from tuning_db.records import BatchStats, DeviceKey, ModuleSignature
+
+__all__ = ["Arm", "PADDED", "Work", "work", "features", "FEATURE_NAMES", "FEATURE_VERSION", "AnalyticPrior"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to run a batch. kind: "padded" | "ragged"; config: the ragged arm's knobs."""
+
+    kind: str
+    config: KernelConfig | None = None
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.config is None else f"{self.kind}:{self.config.short()}"
+
+
+PADDED = Arm("padded")
+
+
+@dataclass(frozen=True)
+class Work:
+    rows: float  # rows every linear computes
+    linear_flops: float
+    attention_flops: float
+    bytes: float  # bytes moved by the elementwise/norm passes and the pack/unpack copies
+
+
+def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
+    """FLOPs and bytes of one forward of `sig` on a batch with `stats` through `arm` (all layers)."""
+    B, L, D, F = stats.batch, stats.max_len, sig.d_model, sig.ff
+    elt = 4 if sig.dtype == "float32" else 2
+    if arm.kind == "padded" or arm.config is None:
+        rows = float(B * L)
+        attn = float(B * L * L)
+        copies = 0.0
+    else:
+        c = arm.config
+        rows = stats.total + B * (c.align - 1) / 2  # alignment gaps, on average half an align each
+        # each component's queries round up to block_m and its keys to block_n
+        attn = stats.sum_sq + (c.block_m + c.block_n) / 2 * stats.total + c.block_m * c.block_n / 4 * B
+        copies = 2.0 * B * L * D * elt  # pack in, unpack out (the padded side of each copy)
+    linear = 2 * rows * (4 * D * D + 2 * D * F) * sig.layers
+    attention = 4 * attn * D * sig.layers  # QK^T and PV over all heads
+    passes = 12  # residual adds, norms, activation, q/k/v/out reads beyond the matmuls (per layer)
+    return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
+
+
+FEATURE_VERSION = 1
+FEATURE_NAMES = (
+    "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
+    "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
+    "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes",
+    "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas",
+)  # fmt: skip
+
+
+def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
+    """(len(arms), len(FEATURE_NAMES)) float64 feature rows: batch shape, the arm's work, model dims,
+    and the arm's knobs (zeros for padded)."""
+    out = np.zeros((len(arms), len(FEATURE_NAMES)))
+    cv = stats.std / stats.mean if stats.mean else 0.0
+    common = [
+        math.log2(max(stats.batch, 1)), math.log2(max(stats.max_len, 1)), math.log2(max(stats.total, 1)),
+        stats.pad_fraction, cv,
+    ]  # fmt: skip
+    dims = [math.log2(sig.d_model), math.log2(sig.ff), sig.heads, sig.layers, 4 if sig.dtype == "float32" else 2]
+    for i, arm in enumerate(arms):
+        w = work(sig, stats, arm)
+        c = arm.config
+        knobs = [0.0] * 7 if c is None else [
+            1.0, c.block_m, c.block_n, c.num_warps, c.num_stages, c.align, float(c.backend == "cublas")
+        ]  # fmt: skip
+        out[i] = common + [
+            math.log2(max(w.rows, 1)), math.log2(max(w.linear_flops / 1e9, 1e-9)),
+            math.log2(max(w.attention_flops / 1e9, 1e-9)), math.log2(max(w.bytes / 1e6, 1e-9)),
+        ] + dims + knobs  # fmt: skip
+    return out
+
+
+class AnalyticPrior:
+    """Latency = launches + FLOPs / rate + bytes / bandwidth, with rough per-device-kind rates.
+
+    Used until a calibration for this device exists (and always as the baseline the learned model
+    corrects). On CUDA the rates scale with the SM count from H100-measured values (2026-11-22,
+    benchmarks/kernels.py: ~400 TFLOP/s fp16 linears at large T, ~200 ragged attention, ~100 padded
+    SDPA with a mask); launch costs are per layer of eager PyTorch or of our ragged chain.
+    """
+
+    name = "prior"
+
+    def __init__(self, device: DeviceKey):
+        if device.capability == "cpu":
+            cores = max(device.sm_count, 1)
+            self.linear_rate = 2e10 * cores
+            self.ragged_attention_rate = self.padded_attention_rate = 1e10 * cores
+            self.bandwidth = 1e10
+            self.padded_launch_ms = self.ragged_launch_ms = 0.02
+            self.fixed_ragged_ms = 0.05
+        else:
+            scale = device.sm_count / 132
+            self.linear_rate = 4e14 * scale
+            self.ragged_attention_rate = 2e14 * scale
+            self.padded_attention_rate = 1e14 * scale
+            self.bandwidth = 2.5e12
+            self.padded_launch_ms = 0.08
+            self.ragged_launch_ms = 0.07
+            self.fixed_ragged_ms = 0.03
+
+    def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
+        out = np.empty(len(arms))
+        for i, arm in enumerate(arms):
+            w = work(sig, stats, arm)
+            ragged = arm.kind == "ragged"
+            launch = sig.layers * (self.ragged_launch_ms if ragged else self.padded_launch_ms)
+            attn_rate = self.ragged_attention_rate if ragged else self.padded_attention_rate
+            seconds = w.linear_flops / self.linear_rate + w.attention_flops / attn_rate + w.bytes / self.bandwidth
+            out[i] = launch + (self.fixed_ragged_ms if ragged else 0.0) + 1e3 * seconds
+        return out

@@ -1,0 +1,432 @@
+"""`autoragged.wrap()`: swap each encoder module for a dispatching one that picks an arm per batch.
+
+The swap changes the instance's class to a subclass of its own (`DispatchingTransformerEncoder` /
+`DispatchingTransformerEncoderLayer`): same object, same parameters, same `state_dict` keys, same
+hooks, `isinstance` still true; `unwrap()` puts the class back. The per-module state lives in the
+instance attribute `_autoragged` (a plain object, not a submodule).
+
+One batch (`_Runtime.run`):
+ 1. lengths: `lengths=` or a RaggedTensor input (no device sync), or the key padding mask (one small
+    device->host copy), or "all real" when there is neither;
+ 2. `BatchStats` on the host;
+ 3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
+    reason is recorded), or chosen by the planner;
+ 4. the arm runs; padded positions of the output are zero on both arms;
+ 5. a decision record goes into a ring buffer (and to the recorder); every `sample_every`-th batch is
+    timed with CUDA events, harvested later without blocking, and fed back to the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels._config import KernelConfig
+from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
+
+from ._costmodel import PADDED, AnalyticPrior, Arm
+from ._device import device_key
+from ._layout import Layout, as_lengths
+from ._planner import Plan, Planner, default_ragged_config
+from ._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
+from ._recorder import RECORDER
+from .nn import activation_kind, encoder_values, support_error
+
+__all__ = ["wrap", "unwrap", "recent_decisions", "flush", "POLICIES"]
+
+log = logging.getLogger("autoragged")
+POLICIES = ("auto", "padded", "ragged")
+_RING = 10_000
+
+
+# -- the dispatching classes ----------------------------------------------------------------------
+class DispatchingTransformerEncoder(nn.TransformerEncoder):
+    """An `nn.TransformerEncoder` whose forward picks padded or ragged per batch (see `autoragged.wrap`).
+
+    forward(src, mask=None, src_key_padding_mask=None, is_causal=None, *, lengths=None): `src` may also
+    be a RaggedTensor (then the result is one); `lengths` are host ints (B) that make the mask optional.
+    """
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None, *, lengths=None):
+        return self._autoragged.run(self, src, mask, src_key_padding_mask, is_causal, lengths)
+
+
+class DispatchingTransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """An `nn.TransformerEncoderLayer` whose forward picks padded or ragged per batch."""
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False, *, lengths=None):
+        return self._autoragged.run(self, src, src_mask, src_key_padding_mask, is_causal, lengths)
+
+
+_DISPATCHING = {
+    nn.TransformerEncoder: DispatchingTransformerEncoder,
+    nn.TransformerEncoderLayer: DispatchingTransformerEncoderLayer,
+}
+_BASE = {v: k for k, v in _DISPATCHING.items()}
+
+
+def signature_of(module: nn.Module) -> ModuleSignature:
+    """The cost-relevant shape of an encoder or encoder layer ("unknown" parts for exotic layers)."""
+    if isinstance(module, nn.TransformerEncoder):
+        layers, final_norm, kind = list(module.layers), module.norm is not None, "encoder"
+    else:
+        layers, final_norm, kind = [module], False, "encoder_layer"
+    first = layers[0]
+    mha = getattr(first, "self_attn", None)
+    if not isinstance(mha, nn.MultiheadAttention) or not isinstance(getattr(first, "linear1", None), nn.Linear):
+        return ModuleSignature(kind, len(layers), 0, 0, 0, "unknown", False, "unknown", final_norm=final_norm)
+    return ModuleSignature(
+        kind=kind,
+        layers=len(layers),
+        d_model=mha.embed_dim,
+        heads=mha.num_heads,
+        ff=first.linear1.out_features,
+        activation=activation_kind(first),
+        norm_first=bool(first.norm_first),
+        dtype=str(first.linear1.weight.dtype).replace("torch.", ""),
+        bias=first.linear1.bias is not None,
+        final_norm=final_norm,
+    )
+
+
+# -- per-module runtime state ---------------------------------------------------------------------
+class _Record:
+    """A decision on its way out: cheap to make on the hot path, a `Decision` when read."""
+
+    __slots__ = ("time", "stats", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
+
+    def __init__(self, stats, arm, predicted_ms, reason, device, signature):
+        self.time = time.time()
+        self.stats = stats
+        self.arm = arm
+        self.predicted_ms = predicted_ms
+        self.reason = reason
+        self.measured_ms = None
+        self.device = device
+        self.signature = signature
+
+    def decision(self) -> Decision:
+        config = None if self.arm.config is None else self.arm.config.to_dict()
+        return Decision(
+            self.time, self.device.key, self.signature, self.stats, self.arm.kind, config,
+            dict(self.predicted_ms), self.reason, self.measured_ms,
+        )  # fmt: skip
+
+
+class _Runtime:
+    def __init__(self, module: nn.Module, policy: str, db_path: Path | None, sample_every: int, explore: bool,
+                 validate_lengths: bool, config):  # fmt: skip
+        self.policy = policy
+        self.db_path = db_path
+        self.sample_every = sample_every
+        self.explore = explore
+        self.validate_lengths = validate_lengths
+        self.forced_config = config
+        self.base = _BASE[type(module)] if type(module) in _BASE else type(module)
+        if isinstance(module, nn.TransformerEncoder):
+            self.layers, self.norm = list(module.layers), module.norm
+        else:
+            self.layers, self.norm = [module], None
+        self.batch_first = bool(getattr(getattr(self.layers[0], "self_attn", None), "batch_first", False))
+        self.static_reason = support_error(module)
+        self.has_dropout = any(m.p > 0 for layer in self.layers for m in layer.modules() if isinstance(m, nn.Dropout))
+        # the hook dicts of every submodule the ragged arm bypasses (registering a hook mutates these)
+        watched = [m for m in module.modules() if m is not module]
+        self.hook_dicts = [m._forward_hooks for m in watched] + [m._forward_pre_hooks for m in watched]
+        self.sig = signature_of(module)
+        self.sig_key = self.sig.key
+        self.ring: deque[_Record] = deque(maxlen=_RING)
+        self.planners: dict[torch.device, Planner] = {}
+        self.pending: deque = deque()
+        self.count = 0
+
+    # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque())
+        return state
+
+    # -- the hot path -------------------------------------------------------------------------
+    def run(self, module, src, attn_mask, kpm, is_causal, lengths):
+        ragged_in = isinstance(src, RaggedTensor)
+        x = src.values if ragged_in else src
+        if not ragged_in and not (isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 3):
+            # unbatched or nested input: the original module handles it, and we record that we let it
+            self._record(_Record(BatchStats.from_lengths(()), PADDED, {}, "input is not a batched (B, L, D) tensor",
+                                 device_key(self._param().device), self.sig_key))  # fmt: skip
+            return self.base.forward(module, src, attn_mask, kpm, is_causal)
+        reason = self.static_reason or self._dynamic_reason(module, x, attn_mask, kpm, is_causal)
+        if ragged_in:
+            lens, L = src.lengths, src.max_len
+        else:
+            B, L = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
+            lens, not_prefix = self._lengths(kpm, lengths, B, L)
+            if not_prefix is not None and not reason:
+                reason = f"key padding mask row {not_prefix} is not right-padded"
+        stats = BatchStats.from_lengths(lens, padded_len=L)
+        if stats.max_len > L:
+            i = lens.index(stats.max_len)
+            raise ValueError(f"lengths[{i}] = {lens[i]} exceeds the padded length {L}")
+        plan = self._plan(x.device, stats, reason)
+        arm, why = plan.arm, plan.reason
+        free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
+        self.count += 1
+        sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
+        if sampled and self.explore and free:
+            alt = self.planners[x.device].explore(stats, arm)
+            if alt is not None:
+                arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
+        record = _Record(stats, arm, plan.predicted_ms, why, device_key(x.device), self.sig_key)
+        if sampled:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        out = self._execute(module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats)
+        if sampled:
+            end.record()
+            self.ring.append(record)
+            self.pending.append((start, end, record, x.device, free))
+        else:
+            self._record(record)
+        if self.pending:
+            self._harvest()
+        return out
+
+    def _param(self) -> torch.Tensor:
+        return self.layers[0].linear1.weight
+
+    def _record(self, record: _Record, measurement: Measurement | None = None) -> None:
+        if measurement is None:
+            self.ring.append(record)
+        if self.db_path is not None:
+            RECORDER.add(self.db_path, record.device, record, measurement)
+
+    def _dynamic_reason(self, module, x, attn_mask, kpm, is_causal) -> str | None:
+        p = self._param()
+        if x.dtype != p.dtype or x.device != p.device:
+            return f"input {x.dtype} on {x.device} differs from the parameters ({p.dtype} on {p.device})"
+        if attn_mask is not None and not is_causal:
+            return "attn_mask other than key padding (pass is_causal=True with a causal mask)"
+        if is_causal and attn_mask is None:
+            return "is_causal without attn_mask"
+        if kpm is not None and kpm.dtype != torch.bool:
+            return "key padding mask is not bool"
+        if torch.is_grad_enabled() and (x.requires_grad or any(q.requires_grad for q in module.parameters())):
+            return "autograd is on (no backward kernels yet)"
+        if module.training and self.has_dropout:
+            return "training mode with dropout"
+        if torch.is_autocast_enabled(x.device.type):
+            return "autocast"
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return "global forward hooks"
+        if any(self.hook_dicts):
+            return "forward hooks on submodules"
+        return None
+
+    def _lengths(self, kpm, lengths, B, L) -> tuple[tuple[int, ...], int | None]:
+        """(host lengths, first non-prefix mask row or None)."""
+        if lengths is not None:
+            lens = as_lengths(lengths)
+            if len(lens) != B:
+                raise ValueError(f"got {len(lens)} lengths for a batch of {B}")
+            if kpm is not None and self.validate_lengths and kpm.dtype == torch.bool:
+                from_mask, _ = mask_lengths(kpm, batch=B, seq_len=L)
+                if from_mask != lens:
+                    i = next(i for i, (a, b) in enumerate(zip(lens, from_mask)) if a != b)
+                    raise ValueError(
+                        f"lengths[{i}] = {lens[i]} but src_key_padding_mask row {i} has {from_mask[i]} real tokens "
+                        "(wrap(..., validate_lengths=False) skips this check and its device sync)"
+                    )
+            return lens, None
+        if kpm is not None:
+            mask = kpm if kpm.dtype == torch.bool else torch.isneginf(kpm)
+            return mask_lengths(mask, batch=B, seq_len=L)
+        return (L,) * B, None
+
+    def _plan(self, device: torch.device, stats: BatchStats, reason: str | None) -> Plan:
+        if reason:
+            return Plan(PADDED, {}, reason)
+        if self.policy == "padded":
+            return Plan(PADDED, {}, "policy=padded")
+        if self.policy == "ragged":
+            config = self.forced_config or default_ragged_config(self.sig.d_model // self.sig.heads, stats.max_len)
+            return Plan(Arm("ragged", config), {}, "policy=ragged")
+        planner = self.planners.get(device)
+        if planner is None:
+            planner = self.planners[device] = self._make_planner(device)
+        return planner.plan(stats)
+
+    def _make_planner(self, device: torch.device) -> Planner:
+        from ._learned import load_planner_inputs
+
+        key = device_key(device)
+        learned = load_planner_inputs(self.db_path, key, self.sig)
+        if learned is None:
+            return Planner(self.sig, AnalyticPrior(key))
+        model, candidates = learned
+        return Planner(self.sig, model, candidates)
+
+    def _execute(self, module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats):
+        seq_axis = 1 if self.batch_first else 0
+        causal = bool(is_causal) and attn_mask is not None
+        if arm.kind == "ragged":
+            if ragged_in:
+                values = encoder_values(self.layers, self.norm, x, src.layout, arm.config, causal)
+                return src.with_values(values)
+            rt = _from_padded(x, lens, arm.config.align, seq_axis)
+            values = encoder_values(self.layers, self.norm, rt.values, rt.layout, arm.config, causal)
+            return _to_padded(RaggedTensor(values, rt.layout), 0.0, L, seq_axis)
+        padded_in = _to_padded(src, 0.0, L, seq_axis) if ragged_in else src
+        has_pads = stats.total < stats.batch * L
+        pad_mask = (
+            kpm if (kpm is not None and not ragged_in) else (self._pad_mask(lens, L, x.device) if has_pads else None)
+        )
+        out = self.base.forward(module, padded_in, attn_mask, pad_mask, is_causal)
+        if has_pads and pad_mask is not None:
+            mask = pad_mask.bool() if pad_mask.dtype == torch.bool else torch.isneginf(pad_mask)
+            out = out.masked_fill(mask[..., None] if self.batch_first else mask.t()[..., None], 0.0)
+        if ragged_in:
+            return _from_padded(out, lens, src.align, seq_axis)
+        return out
+
+    @staticmethod
+    def _pad_mask(lens: tuple[int, ...], L: int, device: torch.device) -> torch.Tensor:
+        """(B, L) bool, True = pad, built on the device from host lengths (no sync)."""
+        dev_lengths = Layout.make(lens, 1).device_meta(device)[1]
+        return torch.arange(L, device=device, dtype=torch.int32)[None, :] >= dev_lengths[:, None]
+
+    def _harvest(self, wait: bool = False) -> None:
+        """Read the timings of sampled batches whose end event has completed; waits only if `wait`."""
+        while self.pending:
+            start, end, record, device, free = self.pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            self.pending.popleft()
+            ms = start.elapsed_time(end)
+            record.measured_ms = ms
+            if free and device in self.planners:
+                self.planners[device].observe(record.stats, record.arm, ms)
+            config = None if record.arm.config is None else record.arm.config.to_dict()
+            measurement = Measurement(
+                record.device.key, record.signature, record.arm.kind, config, record.stats,
+                ms, ms, ms, 1, record.time, source="runtime",
+            )  # fmt: skip
+            self._record(record, measurement)
+
+
+# -- public API -----------------------------------------------------------------------------------
+def _resolve_db(db) -> Path | None:
+    if db is False:
+        return None
+    if db is None:
+        return default_path()
+    path = Path(db).expanduser().resolve()
+    RECORDER.open_db(path)  # an explicit path that cannot be used is an error now, not a warning later
+    return path
+
+
+def _targets(model: nn.Module) -> list[nn.Module]:
+    """Encoders, and encoder layers not inside an encoder, in module order."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        base = _BASE.get(type(module), type(module))
+        if base is nn.TransformerEncoder:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+        elif base is nn.TransformerEncoderLayer:
+            found.append(module)
+    return found
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    db: str | Path | None | bool = None,
+    policy: str = "auto",
+    sample_every: int = 32,
+    explore: bool = True,
+    validate_lengths: bool = True,
+    config: KernelConfig | None = None,
+) -> nn.Module:
+    """Make every `nn.TransformerEncoder` (and every `nn.TransformerEncoderLayer` outside one) in `model`
+    choose, per batch, between its own padded forward and our ragged kernels. Returns `model` (changed
+    in place: same object, parameters and state_dict; `unwrap` undoes it).
+
+    db:        the tuning database (default `$AUTORAGGED_DB` or ~/.cache/autoragged/tuning.sqlite) where
+               decisions and sampled latencies are recorded and the calibrated cost model is read;
+               False records nothing and uses the analytic prior.
+    policy:    "auto" (cost model), "padded" or "ragged" (forced, for benchmarks and debugging; batches
+               the ragged arm cannot run still go padded, with the reason recorded).
+    sample_every: time every n-th batch with CUDA events (0: never); the planner learns from these.
+    explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket.
+    validate_lengths: when both `lengths=` and a key padding mask are given, check they agree (one
+               device->host copy); set False to trust `lengths` and skip the copy.
+    config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(sample_every, int) or sample_every < 0:
+        raise ValueError(f"sample_every must be an int >= 0, got {sample_every!r}")
+    targets = _targets(model)
+    if not targets:
+        raise ValueError(
+            f"wrap found no nn.TransformerEncoder or nn.TransformerEncoderLayer in {type(model).__name__}; "
+            "autoragged wraps PyTorch's encoder modules (their exact classes, not subclasses)"
+        )
+    db_path = _resolve_db(db)
+    for module in targets:
+        for inner in module.modules():  # layers wrapped on their own earlier now run inside the encoder
+            if inner is not module and hasattr(inner, "_autoragged"):
+                _unwrap_one(inner)
+        if hasattr(module, "_autoragged"):
+            _unwrap_one(module)
+        module.__class__ = _DISPATCHING[type(module)]
+        module._autoragged = _Runtime(module, policy, db_path, sample_every, explore, validate_lengths, config)
+        reason = module._autoragged.static_reason
+        if reason:
+            log.info("autoragged: %s always runs padded: %s", type(module).__name__, reason)
+    return model
+
+
+def _unwrap_one(module: nn.Module) -> None:
+    runtime = module.__dict__.pop("_autoragged", None)
+    if runtime is not None:
+        runtime._harvest(wait=True)  # sampled batches still in flight get their timings recorded
+    module.__class__ = _BASE.get(type(module), type(module))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Put the original classes back (recorded decisions are flushed). Returns `model`."""
+    for module in list(model.modules()):
+        if hasattr(module, "_autoragged"):
+            _unwrap_one(module)
+    flush()
+    return model
+
+
+def recent_decisions(model: nn.Module, n: int = 100) -> list[Decision]:
+    """The latest `n` decisions of every wrapped module in `model`, oldest first."""
+    records = [r for m in model.modules() if hasattr(m, "_autoragged") for r in m._autoragged.ring]
+    records.sort(key=lambda r: r.time)
+    return [r.decision() for r in records[-n:]] if n > 0 else []
+
+
+def flush() -> int:
+    """Write recorded decisions and latencies to the tuning database now; returns rows written."""
+    return RECORDER.flush()
+
+
+def wrapped_modules(model: nn.Module) -> Sequence[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "_autoragged")]

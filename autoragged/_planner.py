@@ -1,0 +1,132 @@
+"""The per-module planner: which arm runs a batch, decided in microseconds.
+
+plan(stats) looks the batch up in a decision cache keyed by bucketed statistics (B, max_len and total
+tokens in ~9% log steps: the buckets the cost changes across, never the exact total); on a miss it
+asks the cost model (the learned one for this device if the tuning database has it, else the
+analytic prior) for every candidate arm and takes the argmin. Latencies measured on sampled batches
+(`observe`) override the model's predictions for their bucket, so a wrong prior corrects itself;
+`explore` names an arm that has too few measurements in a bucket, for a sampled batch to try.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import ragged_attention as k_attn
+from kernels._config import KernelConfig
+from tuning_db.records import BatchStats, ModuleSignature
+
+from ._costmodel import PADDED, Arm
+
+__all__ = ["Plan", "Planner", "default_ragged_config", "bucket_key"]
+
+_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Plan:
+    arm: Arm
+    predicted_ms: dict[str, float]
+    reason: str
+
+
+def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
+    """The ragged arm's config before any tuning: the attention kernel's default tiles, packed layout,
+    cuBLAS linears (cuBLAS beat our Triton linear at large T on the H100, benchmarks/kernels.py)."""
+    return k_attn.default_config(head_dim, max_len).replace(backend="cublas", align=1)
+
+
+def _log_bucket(x: int) -> int:
+    return -1 if x <= 0 else int(math.log2(x) * 8)
+
+
+def bucket_key(stats: BatchStats) -> tuple[int, int, int]:
+    return (stats.batch, _log_bucket(stats.max_len), _log_bucket(stats.total))
+
+
+class Planner:
+    """Chooses arms for one wrapped module (one `ModuleSignature`).
+
+    model: an object with `name` and `predict_ms(sig, stats, arms) -> array`, or a zero-argument
+           callable returning one (called once, lazily: the learned model is read on first use);
+    candidates: stats -> the ragged arms worth predicting (the tuner's shortlist, or the default).
+    """
+
+    def __init__(
+        self,
+        sig: ModuleSignature,
+        model: object | Callable[[], object],
+        candidates: Callable[[BatchStats], list[Arm]] | None = None,
+        *,
+        min_samples: int = 2,
+    ):
+        self.sig = sig
+        self._model_source = model
+        self._model: object | None = None if callable(model) and not hasattr(model, "predict_ms") else model
+        head_dim = sig.d_model // sig.heads
+        self.candidates = candidates or (lambda s: [Arm("ragged", default_ragged_config(head_dim, s.max_len))])
+        self.min_samples = min_samples
+        self._cache: OrderedDict[tuple[int, int, int], Plan] = OrderedDict()
+        self._measured: dict[tuple[int, int, int], dict[str, list[float]]] = {}
+        self._arms: dict[tuple[int, int, int], list[Arm]] = {}
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = self._model_source()
+        return self._model
+
+    def plan(self, stats: BatchStats) -> Plan:
+        key = bucket_key(stats)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        arms = [PADDED, *self.candidates(stats)]
+        predicted = self.model.predict_ms(self.sig, stats, arms)
+        reason = f"cost model ({self.model.name})"
+        measured = self._measured.get(key)
+        if measured:
+            for i, arm in enumerate(arms):
+                m = measured.get(arm.label)
+                if m is not None and m[0] >= self.min_samples:
+                    predicted[i] = m[1]
+            if all(measured.get(a.label, (0,))[0] >= self.min_samples for a in arms):
+                reason = "measured on this device"
+        best = int(np.argmin(predicted))
+        plan = Plan(arms[best], {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}, reason)
+        self._arms[key] = arms
+        self._cache[key] = plan
+        if len(self._cache) > _CACHE_SIZE:
+            old, _ = self._cache.popitem(last=False)
+            self._arms.pop(old, None)
+        return plan
+
+    def explore(self, stats: BatchStats, chosen: Arm) -> Arm | None:
+        """An arm of this bucket with fewer than `min_samples` measurements (other than `chosen`, which is
+        measured anyway when its batch is sampled), or None."""
+        key = bucket_key(stats)
+        measured = self._measured.get(key, {})
+        for arm in self._arms.get(key, ()):
+            if arm != chosen and measured.get(arm.label, (0,))[0] < self.min_samples:
+                return arm
+        return None
+
+    def observe(self, stats: BatchStats, arm: Arm, ms: float) -> None:
+        """A measured latency of `arm` on a batch of this bucket: running mean for the first 8, then an
+        exponential moving average (the device may drift: clocks, other tenants)."""
+        key = bucket_key(stats)
+        entry = self._measured.setdefault(key, {}).setdefault(arm.label, [0, 0.0])
+        n = entry[0] + 1
+        weight = 1.0 / n if n <= 8 else 0.125
+        entry[0], entry[1] = n, entry[1] + weight * (ms - entry[1])
+        self._cache.pop(key, None)
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._arms.clear()
+        self._measured.clear()

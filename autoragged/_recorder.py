@@ -1,0 +1,112 @@
+"""Decisions and sampled latencies on their way to the tuning database, off the hot path.
+
+The forward pass appends a record to a list (no I/O). A daemon thread writes what accumulated every
+few seconds, one transaction per table per flush, and again at interpreter exit; `flush()` writes
+now. A database that cannot be opened costs one warning, never an exception in a forward pass.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from pathlib import Path
+
+from tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
+
+__all__ = ["RECORDER", "Recorder"]
+
+log = logging.getLogger("autoragged")
+
+
+class Recorder:
+    def __init__(self, interval_s: float = 5.0, high_water: int = 4096):
+        self.interval_s = interval_s
+        self.high_water = high_water
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[Path, tuple[list[Decision], list[Measurement], dict[str, DeviceKey]]] = {}
+        self._dbs: dict[Path, TuningDB] = {}
+        self._broken: set[Path] = set()
+        self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
+
+    # -- producer side (hot path: list appends under a lock) ----------------------------------
+    def _queue(self, path: Path):
+        q = self._queues.get(path)
+        if q is None:
+            q = self._queues[path] = ([], [], {})
+        return q
+
+    def add(self, path: Path, device: DeviceKey, decision=None, measurement: Measurement | None = None) -> None:
+        """Queue a decision (a `Decision`, or any object whose `.decision()` makes one at flush time, so the
+        hot path builds nothing) and/or a measurement for `path`."""
+        if path in self._broken:
+            return
+        with self._lock:
+            decisions, measurements, devices = self._queue(path)
+            devices.setdefault(device.key, device)
+            if decision is not None:
+                decisions.append(decision)
+            if measurement is not None:
+                measurements.append(measurement)
+            size = len(decisions) + len(measurements)
+        if self._thread is None:
+            self._start()
+        if size >= self.high_water and not self._wake.is_set():
+            self._wake.set()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="autoragged-recorder", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the recorder must never take the process down
+                log.exception("autoragged: flushing decisions to the tuning database failed")
+
+    # -- consumer side ----------------------------------------------------------------------
+    def open_db(self, path: Path) -> TuningDB:
+        """The recorder's connection to `path` (opened once; raises DatabaseError when unusable)."""
+        db = self._dbs.get(path)
+        if db is None:
+            db = self._dbs[path] = TuningDB.open(path)
+        return db
+
+    def flush(self) -> int:
+        """Write everything queued so far; returns the rows written."""
+        written = 0
+        with self._flush_lock:
+            with self._lock:
+                queues, self._queues = self._queues, {}
+            for path, (decisions, measurements, devices) in queues.items():
+                if not (decisions or measurements) or path in self._broken:
+                    continue
+                try:
+                    db = self.open_db(path)
+                    for device in devices.values():
+                        db.register_device(device)
+                    decisions = [d if isinstance(d, Decision) else d.decision() for d in decisions]
+                    written += db.add_decisions(decisions) if decisions else 0
+                    written += db.add_measurements(measurements) if measurements else 0
+                except DatabaseError as e:
+                    self._broken.add(path)
+                    log.warning("autoragged: not recording decisions any more: %s", e)
+        return written
+
+    def close(self) -> None:
+        self.flush()
+        for db in self._dbs.values():
+            db.close()
+        self._dbs.clear()
+
+
+RECORDER = Recorder()
+atexit.register(RECORDER.flush)

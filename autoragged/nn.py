@@ -1,0 +1,217 @@
+"""Ragged encoder modules: PyTorch's encoder modules run on `RaggedTensor`s with the ragged ops.
+
+Each wraps an existing `nn.MultiheadAttention` / `nn.TransformerEncoderLayer` / `nn.TransformerEncoder`
+and shares its parameters (no copies: an in-place update of the original is seen at once). Supported:
+norm_first both ways, relu and (exact) gelu, bias on and off, any layer_norm_eps, the encoder's final
+norm, self-attention with one in-projection; `support_error()` names anything else.
+
+Per layer (post-norm), the ragged arm launches: qkv linear, attention, out linear, add+LayerNorm,
+ff1 linear (+ activation fused), ff2 linear, add+LayerNorm. Pre-norm layers fuse the residual add
+that ends one layer into the LayerNorm that starts the next (and into the encoder's final norm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels._config import KernelConfig
+from kernels.ragged_attention import HEAD_DIMS
+
+from ._layout import Layout
+from ._ragged import RaggedTensor, _zero_gaps
+from .ops import add_layer_norm_values, attention_values, linear_values
+
+__all__ = [
+    "RaggedMultiheadAttention",
+    "RaggedTransformerEncoderLayer",
+    "RaggedTransformerEncoder",
+    "activation_kind",
+    "support_error",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def activation_kind(layer: nn.TransformerEncoderLayer) -> str:
+    """ "relu", "gelu" (exact, erf) or a description of another activation (unsupported)."""
+    act = layer.activation
+    if act is F.relu or isinstance(act, nn.ReLU):
+        return "relu"
+    if act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+        return "gelu"
+    if isinstance(act, nn.GELU):
+        return f"gelu(approximate={act.approximate!r})"
+    return getattr(act, "__name__", type(act).__name__)
+
+
+def _mha_support_error(mha: nn.MultiheadAttention) -> str | None:
+    if not mha._qkv_same_embed_dim:
+        return "MultiheadAttention with kdim/vdim != embed_dim"
+    if mha.bias_k is not None or mha.add_zero_attn:
+        return "MultiheadAttention with add_bias_kv or add_zero_attn"
+    head_dim = mha.embed_dim // mha.num_heads
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (supported: {HEAD_DIMS})"
+    if mha.in_proj_weight.dtype not in _DTYPES:
+        return f"parameters of dtype {mha.in_proj_weight.dtype} (supported: float16, bfloat16, float32)"
+    return None
+
+
+def support_error(module: nn.Module) -> str | None:
+    """Why the ragged arm cannot run `module` (a static property of the module), or None if it can."""
+    if isinstance(module, nn.TransformerEncoder):
+        for i, layer in enumerate(module.layers):
+            if type(layer) is not nn.TransformerEncoderLayer and not _is_dispatching_layer(layer):
+                return f"layer {i} is a {type(layer).__name__}, not an nn.TransformerEncoderLayer"
+            err = support_error(layer)
+            if err:
+                return f"layer {i}: {err}"
+        if module.norm is not None and not isinstance(module.norm, nn.LayerNorm):
+            return f"final norm is a {type(module.norm).__name__}, not an nn.LayerNorm"
+        return None
+    if isinstance(module, nn.TransformerEncoderLayer):
+        kind = activation_kind(module)
+        if kind not in ("relu", "gelu"):
+            return f"activation {kind} (supported: relu, exact gelu)"
+        for norm in (module.norm1, module.norm2):
+            if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
+                return "norms other than a 1-D nn.LayerNorm"
+        return _mha_support_error(module.self_attn)
+    if isinstance(module, nn.MultiheadAttention):
+        return _mha_support_error(module)
+    return f"{type(module).__name__} is not an encoder module"
+
+
+def _is_dispatching_layer(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.TransformerEncoderLayer) and hasattr(layer, "_autoragged")
+
+
+# -- value-level forward passes (the dispatcher's ragged arm calls these) -------------------------
+def _norm_args(norm: nn.LayerNorm) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    return norm.weight, norm.bias, norm.eps
+
+
+def mha_values(
+    mha: nn.MultiheadAttention, x: torch.Tensor, layout: Layout, config: KernelConfig | None, causal: bool
+) -> torch.Tensor:
+    """Self-attention of `mha` on values x (rows, D) -> (rows, D)."""
+    rows, D = x.shape
+    H = mha.num_heads
+    lin = linear_config(config)
+    qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin)
+    q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
+    a = attention_values(q, k, v, layout, causal=causal, config=config)
+    return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin)
+
+
+def _feed_forward(layer: nn.TransformerEncoderLayer, x: torch.Tensor, config: KernelConfig | None) -> torch.Tensor:
+    lin = linear_config(config)
+    h = linear_values(x, layer.linear1.weight, layer.linear1.bias, activation_kind(layer), lin)
+    return linear_values(h, layer.linear2.weight, layer.linear2.bias, None, lin)
+
+
+_CUBLAS = KernelConfig(backend="cublas")
+
+
+def linear_config(config: KernelConfig | None) -> KernelConfig | None:
+    """The arm's config names the attention tiles, the alignment and the linears' backend; a Triton
+    linear takes its own per-shape default tiles (None), cuBLAS takes none."""
+    return _CUBLAS if config is not None and config.backend == "cublas" else None
+
+
+def encoder_values(
+    layers: list[nn.TransformerEncoderLayer],
+    norm: nn.LayerNorm | None,
+    x: torch.Tensor,
+    layout: Layout,
+    config: KernelConfig | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Run `layers` (and the final `norm`) on values x (rows, D); gap rows of the result are unspecified."""
+    pending: torch.Tensor | None = None  # pre-norm: the feed-forward output not yet added to x
+    for layer in layers:
+        if layer.norm_first:
+            if pending is None:
+                h, _ = add_layer_norm_values(x, None, *_norm_args(layer.norm1))
+            else:  # the previous layer's x + ff(x), fused into this layer's first norm
+                h, x = add_layer_norm_values(pending, x, *_norm_args(layer.norm1), store_sum=True)
+            a = mha_values(layer.self_attn, h, layout, config, causal)
+            h, x = add_layer_norm_values(a, x, *_norm_args(layer.norm2), store_sum=True)
+            pending = _feed_forward(layer, h, config)
+        else:
+            a = mha_values(layer.self_attn, x, layout, config, causal)
+            x, _ = add_layer_norm_values(a, x, *_norm_args(layer.norm1))
+            f = _feed_forward(layer, x, config)
+            x, _ = add_layer_norm_values(f, x, *_norm_args(layer.norm2))
+    if pending is not None:
+        if norm is not None:
+            return add_layer_norm_values(pending, x, *_norm_args(norm))[0]
+        return x + pending
+    if norm is not None:
+        return add_layer_norm_values(x, None, *_norm_args(norm))[0]
+    return x
+
+
+# -- modules ---------------------------------------------------------------------------------------
+def _require_supported(module: nn.Module) -> None:
+    err = support_error(module)
+    if err:
+        raise ValueError(f"the ragged arm does not support this module: {err}")
+
+
+def _check_input(x: object, d_model: int, dtype: torch.dtype, device: torch.device) -> RaggedTensor:
+    if not isinstance(x, RaggedTensor):
+        raise TypeError(f"expected a RaggedTensor, got {type(x).__name__} (build one with RaggedTensor.from_padded)")
+    if tuple(x.feature_shape) != (d_model,):
+        raise ValueError(f"expected values (T, {d_model}), got {tuple(x.values.shape)}")
+    if x.dtype != dtype or x.device != device:
+        raise ValueError(f"input is {x.dtype} on {x.device}; the module's parameters are {dtype} on {device}")
+    return x
+
+
+class RaggedMultiheadAttention(nn.Module):
+    """Self-attention of an `nn.MultiheadAttention` on a RaggedTensor (values (T, embed_dim))."""
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        _require_supported(mha)
+        self.mha = mha
+
+    def forward(self, x: RaggedTensor, *, causal: bool = False, config: KernelConfig | None = None) -> RaggedTensor:
+        w = self.mha.in_proj_weight
+        x = _check_input(x, self.mha.embed_dim, w.dtype, w.device)
+        out = mha_values(self.mha, x.values, x.layout, config, causal)
+        return x.with_values(_zero_gaps(out, x.layout))
+
+
+class RaggedTransformerEncoderLayer(nn.Module):
+    """An `nn.TransformerEncoderLayer` (inference) on a RaggedTensor of values (T, d_model)."""
+
+    def __init__(self, layer: nn.TransformerEncoderLayer):
+        super().__init__()
+        _require_supported(layer)
+        self.layer = layer
+
+    def forward(self, x: RaggedTensor, *, causal: bool = False, config: KernelConfig | None = None) -> RaggedTensor:
+        w = self.layer.linear1.weight
+        x = _check_input(x, self.layer.self_attn.embed_dim, w.dtype, w.device)
+        out = encoder_values([self.layer], None, x.values, x.layout, config, causal)
+        return x.with_values(_zero_gaps(out, x.layout))
+
+
+class RaggedTransformerEncoder(nn.Module):
+    """An `nn.TransformerEncoder` (inference) on a RaggedTensor, including its final norm."""
+
+    def __init__(self, encoder: nn.TransformerEncoder):
+        super().__init__()
+        _require_supported(encoder)
+        self.encoder = encoder
+
+    def forward(self, x: RaggedTensor, *, causal: bool = False, config: KernelConfig | None = None) -> RaggedTensor:
+        first = self.encoder.layers[0]
+        w = first.linear1.weight
+        x = _check_input(x, first.self_attn.embed_dim, w.dtype, w.device)
+        out = encoder_values(list(self.encoder.layers), self.encoder.norm, x.values, x.layout, config, causal)
+        return x.with_values(_zero_gaps(out, x.layout))

@@ -1,0 +1,85 @@
+"""Length distributions: the CoRa datasets of record and the families the tuner samples.
+
+The CoRa statistics are those of shared/workloads/cora.json (CoRa, Fegade et al., MLSys 2022, Table 3),
+kept here so the package carries them (tests check the copy against the shared file when present).
+PyCoRa's recipe: length = min + (max - min) * Beta(a, b) with a + b = 5 and the mean matched,
+m = (mean - min) / (max - min), a = 5 m, b = 5 (1 - m); rounded and clipped to [min, max].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CORA", "CORA_MODEL", "CORA_BATCH_SIZES", "Dataset", "sample_cora", "sample", "FAMILIES"]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    min: int
+    mean: int
+    max: int
+
+
+CORA = {
+    d.name: d
+    for d in (
+        Dataset("RACE", 80, 364, 512),
+        Dataset("Wiki512", 12, 371, 512),
+        Dataset("SQuAD", 39, 192, 384),
+        Dataset("Wiki128", 14, 117, 128),
+        Dataset("MNLI", 9, 43, 128),
+        Dataset("XNLI", 9, 70, 128),
+        Dataset("MRPC", 21, 59, 102),
+        Dataset("CoLA", 6, 13, 37),
+    )
+}
+CORA_MODEL = {"layers": 6, "d_model": 512, "heads": 8, "ff": 2048}
+CORA_BATCH_SIZES = (32, 64, 128)
+
+
+def sample_cora(dataset: Dataset | str, batch: int, rng: np.random.Generator) -> list[int]:
+    """B lengths from PyCoRa's Beta recipe for a CoRa dataset."""
+    d = CORA[dataset] if isinstance(dataset, str) else dataset
+    return _beta(d.min, d.mean, d.max, batch, rng)
+
+
+def _beta(lo: int, mean: float, hi: int, batch: int, rng: np.random.Generator) -> list[int]:
+    if hi == lo:
+        return [lo] * batch
+    m = min(max((mean - lo) / (hi - lo), 0.02), 0.98)
+    draws = lo + (hi - lo) * rng.beta(5 * m, 5 * (1 - m), size=batch)
+    return np.clip(np.rint(draws), lo, hi).astype(int).tolist()
+
+
+def _lognormal(batch: int, rng: np.random.Generator, median: float, sigma: float, hi: int) -> list[int]:
+    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=batch)), 1, hi).astype(int).tolist()
+
+
+def _bimodal(batch: int, rng: np.random.Generator, short: tuple[int, int], long: tuple[int, int], p_long: float):
+    is_long = rng.random(batch) < p_long
+    lo = np.where(is_long, long[0], short[0])
+    hi = np.where(is_long, long[1], short[1])
+    return (lo + np.floor(rng.random(batch) * (hi - lo + 1))).astype(int).tolist()
+
+
+def sample(family: str, batch: int, max_len: int, rng: np.random.Generator) -> list[int]:
+    """B lengths in [1, max_len] from one of the tuner's families (see FAMILIES)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown length family {family!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[family](batch, max_len, rng)
+
+
+# Each family takes (batch, max_len, rng); parameters are drawn too, so one family covers a range of
+# shapes (the tuner wants many distinct padding fractions, not eight fixed points).
+FAMILIES = {
+    "cora_beta": lambda b, L, r: _beta(lo := int(r.integers(1, max(2, L // 4))), r.uniform(lo, L), L, b, r),
+    "lognormal": lambda b, L, r: _lognormal(b, r, median=r.uniform(0.05, 0.6) * L, sigma=r.uniform(0.2, 0.9), hi=L),
+    "bimodal": lambda b, L, r: _bimodal(
+        b, r, short=(1, max(1, L // 8)), long=(max(1, L * 3 // 4), L), p_long=float(r.uniform(0.05, 0.5))
+    ),
+    "uniform": lambda b, L, r: (1 + np.floor(r.random(b) * r.uniform(0.1, 1.0) * L)).astype(int).tolist(),
+    "equal": lambda b, L, r: [int(r.integers(1, L + 1))] * b,
+}

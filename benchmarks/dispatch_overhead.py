@@ -1,0 +1,102 @@
+"""The dispatcher's own cost per batch: lengths, stats, plan, record (the arms themselves excluded).
+
+    python benchmarks/dispatch_overhead.py            # CPU is fine; the goal is a median under 20 us
+
+The wrapped CoRa encoder's runtime is called directly with its arm execution replaced by a no-op, on
+batches of CoRa lengths (new lengths every call, so layouts and stats are fresh; the planner's decision
+cache sees the realistic hit rate). Modes: host `lengths=`, a RaggedTensor input, a key padding mask
+(on the GPU when there is one: then the cost includes the mask reduction and its one device->host copy).
+Decisions are recorded to a temporary tuning database (the recorder's queue; flushes happen on its
+thread). Prints a table and writes benchmarks/results/dispatch_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged import RaggedTensor  # noqa: E402
+from autoragged.workloads import CORA, sample_cora  # noqa: E402
+from benchmarks._common import environment, header, table, write_json  # noqa: E402
+
+
+def measure(runtime, module, inputs, calls: int) -> list[float]:
+    """Per-call microseconds of runtime.run over `inputs` (cycled)."""
+    times = []
+    n = len(inputs)
+    for i in range(calls):
+        src, kpm, lengths = inputs[i % n]
+        t0 = time.perf_counter_ns()
+        runtime.run(module, src, None, kpm, None, lengths)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=20000, help="timed calls per row (default 20000)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/dispatch_overhead.json)")
+    args = parser.parse_args(argv)
+    env = environment()
+    header("dispatcher overhead per batch (arms excluded)", env)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).eval().to(dev)
+    with tempfile.TemporaryDirectory() as tmp:
+        autoragged.wrap(model, db=pathlib.Path(tmp) / "overhead.sqlite", sample_every=0)
+        runtime = model._autoragged
+        runtime._execute = lambda module, arm, src, *rest: src  # the arms are not what this measures
+        rows = []
+        rng = np.random.default_rng(0)
+        for batch in (32, 128):
+            for dataset in ("CoLA", "RACE"):
+                L = CORA[dataset].max
+                x = torch.zeros(batch, L, 1, device=dev)  # shape only: the arm never reads it
+                draws = [sample_cora(dataset, batch, rng) for _ in range(256)]
+
+                def mask(lens, L=L):
+                    return (torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
+
+                modes = {
+                    "lengths=": [(x, None, lens) for lens in draws],
+                    "RaggedTensor": [(RaggedTensor.from_padded(x, lens), None, None) for lens in draws],
+                    f"mask on {dev.type}": [(x, mask(lens), None) for lens in draws],
+                }
+                for mode, inputs in modes.items():
+                    with torch.no_grad():
+                        measure(runtime, model, inputs, 2000)  # warm: planner, caches
+                        us = measure(runtime, model, inputs, args.calls)
+                    us.sort()
+                    rows.append({
+                        "batch": batch, "dataset": dataset, "mode": mode,
+                        "median_us": statistics.median(us), "p90_us": us[len(us) * 9 // 10],
+                        "p99_us": us[len(us) * 99 // 100],
+                    })  # fmt: skip
+                    print(f"  B={batch} {dataset} {mode}: median {rows[-1]['median_us']:.1f} us", flush=True)
+        autoragged.flush()
+    print("\n## dispatcher cost per batch, microseconds (arms excluded)\n")
+    columns = [("batch", "B", "d"), ("dataset", "lengths", ""), ("mode", "input", ""),
+               ("median_us", "median", ".1f"), ("p90_us", "p90", ".1f"), ("p99_us", "p99", ".1f")]  # fmt: skip
+    print(table(rows, columns))
+    host = max(r["median_us"] for r in rows if not r["mode"].startswith("mask"))
+    masked = max(r["median_us"] for r in rows if r["mode"].startswith("mask"))
+    print(f"\nworst median with host lengths / RaggedTensor input: {host:.1f} us (goal: under 20 us)")
+    print(f"worst median when lengths come from a key padding mask (its reduction and one copy): {masked:.1f} us")
+    path = write_json("dispatch_overhead.json", {"env": env, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

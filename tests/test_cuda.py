@@ -1,0 +1,69 @@
+"""GPU-only checks: no hidden device syncs, and the registered ops under torch.compile."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import autoragged.ops as ops  # noqa: E402
+from autoragged import KernelConfig, RaggedTensor  # noqa: E402
+from kernels import ragged_attention as k_attn  # noqa: E402
+
+
+@pytest.fixture
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+
+
+def test_from_padded_ops_to_padded_never_sync(no_sync):
+    x = torch.randn(4, 70, 3 * 2 * 64, device="cuda", dtype=torch.float16)
+    rt = RaggedTensor.from_padded(x, [70, 1, 0, 33], align=16)  # fresh layout: host->device copies only
+    q, k, v = (RaggedTensor(t, rt.layout) for t in rt.values.view(-1, 3, 2, 64).unbind(1))
+    a = ops.ragged_attention(q, k, v, causal=True)
+    h = ops.ragged_linear(RaggedTensor(a.values.view(-1, 128), a.layout), torch.randn(64, 128, device="cuda", dtype=torch.float16))
+    y = h.to_padded()
+    assert y.shape == (4, 70, 64)
+
+
+def test_from_mask_syncs_exactly_once():
+    x = torch.randn(3, 9, 8, device="cuda")
+    mask = torch.arange(9, device="cuda")[None, :] >= torch.tensor([9, 2, 5], device="cuda")[:, None]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as record:
+            rt = RaggedTensor.from_mask(x, mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in record if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert rt.lengths == (9, 2, 5)
+
+
+def test_registered_ops_compile():
+    lengths = [40, 7, 129]
+    x = torch.randn(3, 129, 3, 4, 64, device="cuda", dtype=torch.float16)
+    rt = RaggedTensor.from_padded(x, lengths)
+    config = KernelConfig(block_m=64, block_n=32)
+    offsets, dev_lengths = rt.layout.device_meta(rt.device)
+    gm, bo = rt.prelude(config.block_m)
+    w = torch.randn(256, 256, device="cuda", dtype=torch.float16) / 16
+
+    def block(values, offsets, dev_lengths, gm, bo):
+        q, k, v = values.unbind(1)
+        a = torch.ops.autoragged.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, False, 0.125, 64, 32, 4, 2)
+        h = torch.ops.autoragged.ragged_linear(a.reshape(-1, 256), w, None, 1, 64, 64, 32, 4, 2, 8)
+        n, _ = torch.ops.autoragged.add_layer_norm(h, a.reshape(-1, 256), None, None, 1e-5, False, 8, 4)
+        return n
+
+    eager = block(rt.values, offsets, dev_lengths, gm, bo)
+    compiled = torch.compile(block, fullgraph=True)(rt.values, offsets, dev_lengths, gm, bo)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    q, k, v = rt.values.unbind(1)
+    ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths).reshape(-1, 256)
+    ref = torch.nn.functional.layer_norm(torch.relu(ref @ w.T) + ref, (256,))
+    torch.testing.assert_close(compiled, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,303 @@
+"""autoragged.wrap(): equivalence of original, padded arm and ragged arm for every module option;
+routing of unsupported cases with their reasons; unwrap; the decision record."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from _tolerance import assert_within_torch_error
+from conftest import DEVICES, triton_available
+from torch import nn
+
+import autoragged
+from autoragged import RaggedTensor
+from autoragged import _ragged as ragged_mod
+from autoragged import ops as ops_mod
+
+BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
+
+
+@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
+def backend(request, monkeypatch):
+    device, impl = request.param
+    if impl == "reference":
+        monkeypatch.setattr(ops_mod, "use_triton", lambda t: False)
+        monkeypatch.setattr(ragged_mod, "use_triton", lambda t: False)
+    return torch.device(device)
+
+
+def make_encoder(*, d=64, heads=2, ff=96, layers=2, norm_first=False, activation="relu", batch_first=True,
+                 bias=True, eps=1e-5, final_norm=False, dropout=0.0):  # fmt: skip
+    layer = nn.TransformerEncoderLayer(
+        d, heads, ff, dropout=dropout, activation=activation, batch_first=batch_first, norm_first=norm_first,
+        bias=bias, layer_norm_eps=eps,
+    )  # fmt: skip
+    norm = nn.LayerNorm(d, eps=eps, bias=bias) if final_norm else None
+    enc = nn.TransformerEncoder(layer, layers, norm=norm, enable_nested_tensor=False)
+    with torch.no_grad():  # non-trivial norms so a wrong norm would show
+        for m in enc.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                if m.bias is not None:
+                    m.bias.uniform_(-0.5, 0.5)
+    return enc.eval()
+
+
+def batch(lengths, d, device, dtype=torch.float32, batch_first=True):
+    L = max(lengths) + 3
+    x = torch.randn(len(lengths), L, d, dtype=torch.float64).to(dtype).to(device)
+    mask = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None]).to(device)
+    return (x if batch_first else x.transpose(0, 1).contiguous()), mask
+
+
+def real_tokens(y, lengths, batch_first=True):
+    y = y if batch_first else y.transpose(0, 1)
+    return torch.cat([y[i, :n] for i, n in enumerate(lengths)])
+
+
+def pads(y, lengths, batch_first=True):
+    y = y if batch_first else y.transpose(0, 1)
+    return torch.cat([y[i, n:].reshape(-1) for i, n in enumerate(lengths)])
+
+
+LENGTHS = [17, 1, 0, 9, 33]
+OPTIONS = list(itertools.product([False, True], ["relu", "gelu"], [True, False], [True, False], [False, True]))
+
+
+@pytest.mark.parametrize("norm_first, activation, batch_first, bias, final_norm", OPTIONS, ids=lambda v: str(v))
+def test_arms_agree_with_the_original(backend, norm_first, activation, batch_first, bias, final_norm):
+    torch.manual_seed(1)
+    opts = dict(norm_first=norm_first, activation=activation, batch_first=batch_first, bias=bias, final_norm=final_norm)
+    enc = make_encoder(**opts, eps=1e-4).to(backend)
+    ref64 = copy.deepcopy(enc).double()
+    x, mask = batch(LENGTHS, 64, backend, batch_first=batch_first)
+    with torch.no_grad():
+        expect = ref64(x.double(), src_key_padding_mask=mask)
+        original = enc(x, src_key_padding_mask=mask)
+        wrapped = autoragged.wrap(enc, db=False)
+        for policy in ("padded", "ragged", "auto"):
+            wrapped._autoragged.policy = policy
+            y = wrapped(x, src_key_padding_mask=mask)
+            decision = autoragged.recent_decisions(wrapped, 1)[0]
+            assert decision.arm == ("padded" if policy == "padded" else "ragged"), decision.reason
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert_within_torch_error(
+                real_tokens(y, LENGTHS, batch_first), real_tokens(original, LENGTHS, batch_first),
+                real_tokens(expect, LENGTHS, batch_first), f"{policy} {opts}",
+            )  # fmt: skip
+            assert (pads(y, LENGTHS, batch_first) == 0).all(), "padded positions must be zero on every arm"
+
+
+def test_a_lone_encoder_layer_inside_a_model(backend):
+    torch.manual_seed(2)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+            self.block = make_encoder(layers=1, norm_first=True).layers[0]
+
+        def forward(self, x, mask):
+            return self.block(self.proj(x), src_key_padding_mask=mask)
+
+    model = Model().eval().to(backend)
+    x, mask = batch(LENGTHS, 64, backend)
+    with torch.no_grad():
+        ref = model(x, mask)
+        autoragged.wrap(model, db=False, policy="ragged")
+        assert type(model.block).__name__ == "DispatchingTransformerEncoderLayer"
+        y = model(x, mask)
+    assert autoragged.recent_decisions(model, 1)[0].arm == "ragged"
+    torch.testing.assert_close(real_tokens(y, LENGTHS), real_tokens(ref, LENGTHS), rtol=1e-4, atol=1e-4)
+
+
+def test_lengths_and_ragged_inputs(backend):
+    enc = make_encoder().to(backend)
+    x, mask = batch(LENGTHS, 64, backend)
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=mask)
+        autoragged.wrap(enc, db=False, policy="ragged")
+        by_lengths = enc(x, lengths=LENGTHS)  # no mask at all: lengths are the truth
+        both = enc(x, src_key_padding_mask=mask, lengths=LENGTHS)
+        rt = RaggedTensor.from_padded(x, LENGTHS, align=16)
+        out = enc(rt)
+        enc._autoragged.policy = "padded"
+        out_padded_arm = enc(rt)
+    for y in (by_lengths, both):
+        torch.testing.assert_close(real_tokens(y, LENGTHS), real_tokens(ref, LENGTHS), rtol=1e-4, atol=1e-4)
+        assert (pads(y, LENGTHS) == 0).all()
+    for r in (out, out_padded_arm):
+        assert isinstance(r, RaggedTensor) and r.lengths == tuple(LENGTHS) and r.align == 16
+        torch.testing.assert_close(
+            r.to_padded(max_len=x.shape[1]), ref.masked_fill(mask[..., None], 0), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_no_mask_means_all_tokens_are_real():
+    enc = make_encoder()
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        ref = enc(x)
+        autoragged.wrap(enc, db=False, policy="ragged")
+        y = enc(x)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    assert autoragged.recent_decisions(enc, 1)[0].stats.pad_fraction == 0.0
+
+
+def test_causal_mask_with_the_hint_runs_ragged():
+    enc = make_encoder()
+    x, mask = batch([6, 11], 64, "cpu")
+    causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+    with torch.no_grad():
+        ref = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+        autoragged.wrap(enc, db=False, policy="ragged")
+        y = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+    assert autoragged.recent_decisions(enc, 1)[0].arm == "ragged"
+    torch.testing.assert_close(real_tokens(y, [6, 11]), real_tokens(ref, [6, 11]), rtol=1e-4, atol=1e-4)
+
+
+# -- unsupported cases: padded, with the reason, never an error or a wrong answer ----------------
+@pytest.mark.parametrize(
+    "setup, call, words",
+    [
+        (None, lambda e, x, m: e(x, mask=torch.zeros(x.shape[1], x.shape[1]), src_key_padding_mask=m), "attn_mask"),
+        (None, lambda e, x, m: e(x, src_key_padding_mask=m.float().masked_fill(m, float("-inf"))), "not bool"),
+        (None, lambda e, x, m: e(x, src_key_padding_mask=m.flip(1)), "not right-padded"),
+        (lambda e: e.layers[0].linear1.register_forward_hook(lambda *a: None), None, "forward hooks"),
+        (lambda e: e.train(), None, "training mode with dropout"),
+    ],
+)
+def test_unsupported_batches_go_padded_with_their_reason(setup, call, words):
+    enc = make_encoder(dropout=0.1)
+    x, mask = batch(LENGTHS, 64, "cpu")
+    if setup is not None:
+        setup(enc)
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=mask) if words != "training mode with dropout" else None
+        autoragged.wrap(enc, db=False, policy="ragged")
+        y = (call or (lambda e, x, m: e(x, src_key_padding_mask=m)))(enc, x, mask)
+    d = autoragged.recent_decisions(enc, 1)[0]
+    assert d.arm == "padded" and words in d.reason, d.reason
+    assert y.shape == x.shape
+    if ref is not None and words in ("forward hooks",):
+        torch.testing.assert_close(y, ref.masked_fill(mask[..., None], 0))
+
+
+def test_input_that_differs_from_the_parameters_gets_pytorchs_own_error():
+    enc = make_encoder()
+    x, mask = batch([4, 2], 64, "cpu")
+    with torch.no_grad(), pytest.raises(RuntimeError) as original:
+        enc(x.double(), src_key_padding_mask=mask)
+    autoragged.wrap(enc, db=False, policy="ragged")
+    with torch.no_grad(), pytest.raises(RuntimeError) as wrapped:
+        enc(x.double(), src_key_padding_mask=mask)
+    assert str(wrapped.value) == str(original.value)
+
+
+def test_autograd_goes_padded_and_gradients_flow():
+    enc = make_encoder().train()
+    for m in enc.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    autoragged.wrap(enc, db=False, policy="ragged")
+    x, mask = batch(LENGTHS, 64, "cpu")
+    y = enc(x, src_key_padding_mask=mask)
+    y[~mask].sum().backward()
+    d = autoragged.recent_decisions(enc, 1)[0]
+    assert d.arm == "padded" and "autograd" in d.reason
+    assert enc.layers[0].linear1.weight.grad is not None
+
+
+def test_unsupported_activation_is_a_static_reason():
+    enc = make_encoder(activation=nn.GELU(approximate="tanh"))
+    autoragged.wrap(enc, db=False, policy="ragged")
+    x, mask = batch([5, 3], 64, "cpu")
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
+    assert "activation gelu(approximate='tanh')" in autoragged.recent_decisions(enc, 1)[0].reason
+
+
+def test_unbatched_input_is_passed_through():
+    layer = make_encoder(layers=1).layers[0]
+    autoragged.wrap(layer, db=False, policy="ragged")
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        y = layer(x)
+    assert y.shape == (5, 64) and "not a batched" in autoragged.recent_decisions(layer, 1)[0].reason
+
+
+# -- wrap / unwrap --------------------------------------------------------------------------------
+def test_wrap_keeps_identity_state_dict_and_unwrap_restores():
+    enc = make_encoder()
+    keys = list(enc.state_dict())
+    x, mask = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        before = enc(x, src_key_padding_mask=mask)
+    same = autoragged.wrap(enc, db=False, policy="ragged")
+    assert same is enc and isinstance(enc, nn.TransformerEncoder)
+    assert list(enc.state_dict()) == keys
+    assert type(enc).__name__ == "DispatchingTransformerEncoder"
+    autoragged.unwrap(enc)
+    assert type(enc) is nn.TransformerEncoder and not hasattr(enc, "_autoragged")
+    with torch.no_grad():
+        after = enc(x, src_key_padding_mask=mask)
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)  # a zero-length row is NaN in PyTorch
+
+
+def test_parameters_are_shared_not_copied():
+    enc = make_encoder()
+    autoragged.wrap(enc, db=False, policy="ragged")
+    x, mask = batch([8, 4], 64, "cpu")
+    with torch.no_grad():
+        y1 = enc(x, src_key_padding_mask=mask)
+        enc.layers[1].linear2.bias.add_(1.0)  # an in-place update must be seen by the next batch
+        y2 = enc(x, src_key_padding_mask=mask)
+    assert not torch.allclose(y1, y2)
+
+
+def test_deepcopy_and_rewrap():
+    enc = autoragged.wrap(make_encoder(), db=False, policy="ragged")
+    twin = copy.deepcopy(enc)
+    assert type(twin).__name__ == "DispatchingTransformerEncoder" and twin._autoragged.policy == "ragged"
+    autoragged.wrap(twin, db=False, policy="padded")
+    assert twin._autoragged.policy == "padded" and enc._autoragged.policy == "ragged"
+
+
+def test_wrap_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="policy must be one of"):
+        autoragged.wrap(make_encoder(), policy="fast")
+    with pytest.raises(ValueError, match="found no nn.TransformerEncoder"):
+        autoragged.wrap(nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        autoragged.wrap("model")
+    (tmp_path / "dir").mkdir()
+    from tuning_db import DatabaseError
+
+    with pytest.raises(DatabaseError, match="dir"):
+        autoragged.wrap(make_encoder(), db=tmp_path / "dir")
+
+
+def test_lengths_that_disagree_with_the_mask_are_an_error():
+    enc = autoragged.wrap(make_encoder(), db=False)
+    x, mask = batch([5, 3], 64, "cpu")
+    with torch.no_grad(), pytest.raises(ValueError, match="lengths\\[1\\] = 4 but src_key_padding_mask row 1 has 3"):
+        enc(x, src_key_padding_mask=mask, lengths=[5, 4])
+    with torch.no_grad(), pytest.raises(ValueError, match="exceeds the padded length"):
+        enc(x, lengths=[5, 99])
+
+
+def test_decisions_reach_the_database(tmp_path):
+    from tuning_db import TuningDB
+
+    path = tmp_path / "t.sqlite"
+    enc = autoragged.wrap(make_encoder(), db=path)
+    x, mask = batch([5, 3], 64, "cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            enc(x, src_key_padding_mask=mask)
+    assert autoragged.flush() >= 3
+    with TuningDB.open(path) as db:
+        rows = db.decisions()
+    assert len(rows) == 3 and rows[0].signature == "encoder:2x64/2h/ff96:relu:post:float32"
+    assert rows[0].stats.total == 8 and rows[0].arm in ("padded", "ragged") and rows[0].predicted_ms
