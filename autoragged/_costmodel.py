@@ -47,9 +47,11 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     B, L, D, F = stats.batch, stats.max_len, sig.d_model, sig.ff
     elt = 4 if sig.dtype == "float32" else 2
     if arm.kind == "padded" or arm.config is None:
-        rows = float(B * L)
+        # PyTorch's nested-tensor fast path computes the linears on real tokens only (and converts in/out)
+        nested = sig.nested and stats.total < B * L
+        rows = float(stats.total if nested else B * L)
         attn = float(B * L * L)
-        copies = 0.0
+        copies = 2.0 * B * L * D * elt if nested else 0.0
     else:
         c = arm.config
         rows = stats.total + B * (c.align - 1) / 2  # alignment gaps, on average half an align each
@@ -66,7 +68,7 @@ FEATURE_VERSION = 1
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
-    "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes",
+    "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes", "padded_nested",
     "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas",
 )  # fmt: skip
 
@@ -80,7 +82,10 @@ def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.nda
         math.log2(max(stats.batch, 1)), math.log2(max(stats.max_len, 1)), math.log2(max(stats.total, 1)),
         stats.pad_fraction, cv,
     ]  # fmt: skip
-    dims = [math.log2(sig.d_model), math.log2(sig.ff), sig.heads, sig.layers, 4 if sig.dtype == "float32" else 2]
+    dims = [
+        math.log2(max(sig.d_model, 1)), math.log2(max(sig.ff, 1)), sig.heads, sig.layers,
+        4 if sig.dtype == "float32" else 2, float(sig.nested),
+    ]  # fmt: skip
     for i, arm in enumerate(arms):
         w = work(sig, stats, arm)
         c = arm.config

@@ -92,6 +92,7 @@ def signature_of(module: nn.Module) -> ModuleSignature:
         dtype=str(first.linear1.weight.dtype).replace("torch.", ""),
         bias=first.linear1.bias is not None,
         final_norm=final_norm,
+        nested=bool(getattr(module, "use_nested_tensor", False)),
     )
 
 

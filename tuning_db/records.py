@@ -92,12 +92,14 @@ class ModuleSignature:
     dtype: str  # "float16", "bfloat16", "float32"
     bias: bool = True
     final_norm: bool = False
+    nested: bool = False  # PyTorch's own padded forward converts to nested tensors (its encoder fast path)
 
     @property
     def key(self) -> str:
-        """A stable id, e.g. `encoder:6x512/8h/ff2048:relu:post:float16`."""
+        """A stable id, e.g. `encoder:6x512/8h/ff2048:relu:post:float16:nested`."""
         norm = "pre" if self.norm_first else "post"
         extra = ("" if self.bias else ":nobias") + (":final_norm" if self.final_norm else "")
+        extra += ":nested" if self.nested else ""
         return (
             f"{self.kind}:{self.layers}x{self.d_model}/{self.heads}h/ff{self.ff}:{self.activation}:{norm}:{self.dtype}"
             + extra
@@ -105,6 +107,27 @@ class ModuleSignature:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_key(cls, key: str) -> ModuleSignature:
+        """Parse `key` back (the database stores keys); ValueError names what does not parse."""
+        parts = key.split(":")
+        try:
+            kind, shape, activation, norm, dtype, *extra = parts
+            layers, rest = shape.split("x", 1)
+            d_model, heads, ff = rest.split("/")
+            if not heads.endswith("h") or not ff.startswith("ff") or norm not in ("pre", "post"):
+                raise ValueError
+            if any(e not in ("nobias", "final_norm", "nested") for e in extra):
+                raise ValueError
+            return cls(
+                kind, int(layers), int(d_model), int(heads[:-1]), int(ff[2:]), activation, norm == "pre", dtype,
+                bias="nobias" not in extra, final_norm="final_norm" in extra, nested="nested" in extra,
+            )  # fmt: skip
+        except ValueError:
+            raise ValueError(
+                f"not a module signature key: {key!r} (expected e.g. 'encoder:6x512/8h/ff2048:relu:post:float16')"
+            ) from None
 
 
 def config_key(config: dict[str, Any] | None) -> str:

@@ -1,0 +1,89 @@
+"""Measuring arms: build an encoder for a signature, make a batch, time one arm exactly as the runtime
+runs it (through the dispatcher's own execute path). Shared by the tuner and the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tuning_db.records import BatchStats, ModuleSignature
+
+from ._costmodel import Arm
+
+__all__ = ["build_encoder", "make_batch", "Timing", "time_ms", "ArmRunner"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_encoder(sig: ModuleSignature, device: torch.device, seed: int = 0) -> nn.TransformerEncoder:
+    """An eval-mode `nn.TransformerEncoder` of `sig`'s shape, built the way users build one."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(
+        sig.d_model, sig.heads, sig.ff, dropout=0.0, activation=sig.activation, batch_first=True,
+        norm_first=sig.norm_first, bias=sig.bias,
+    )  # fmt: skip
+    norm = nn.LayerNorm(sig.d_model, bias=sig.bias) if sig.final_norm else None
+    enc = nn.TransformerEncoder(layer, sig.layers, norm=norm, enable_nested_tensor=sig.nested)
+    return enc.to(device=device, dtype=_DTYPES[sig.dtype]).eval()
+
+
+def make_batch(lengths: Sequence[int], d_model: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """(x (B, max(lengths), D) random, key padding mask (B, L) True = pad), padded to the batch's longest."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    L = max(lengths)
+    x = torch.randn(len(lengths), L, d_model, generator=g).to(device=device, dtype=dtype)
+    mask = (torch.arange(L)[None, :] >= torch.tensor(list(lengths))[:, None]).to(device)
+    return x, mask
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, reps: int = 5) -> Timing:
+    """Median / p10 / p90 of `reps` calls after `warmup`: CUDA events on a GPU, the host clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return Timing(
+        statistics.median(times), times[len(times) // 10], times[min(len(times) - 1, len(times) * 9 // 10)], reps
+    )
+
+
+class ArmRunner:
+    """Runs any arm on a wrapped encoder through the dispatcher's execute path (what the runtime runs)."""
+
+    def __init__(self, encoder: nn.TransformerEncoder):
+        from ._dispatch import wrap
+
+        self.encoder = wrap(encoder, db=False, policy="auto", sample_every=0)
+        self.runtime = self.encoder._autoragged
+
+    def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
+        L = x.shape[1]
+        with torch.inference_mode():
+            return self.runtime._execute(self.encoder, arm, x, x, False, None, mask, None, lengths, L, stats)

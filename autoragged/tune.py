@@ -1,0 +1,365 @@
+"""`python -m autoragged.tune`: calibrate this machine for autoragged.
+
+For each module signature it draws batches from many length distributions (the CoRa Beta recipe,
+log-normal, bimodal short + long, uniform, all equal) at batch sizes from 1 to 256, measures the padded
+arm and the ragged arm (the default config and configs an optuna study proposes for the batch's max_len
+bucket) exactly as the runtime runs them, and records everything in the tuning database. Then it fits
+the cost model on every measurement of this device (traffic samples included), evaluates it on
+length families held out of the fit, stores it, and prints the metrics. The wrapped models of later
+processes load it on their first batch.
+
+Ctrl-C stops between batches: what was measured is committed, and a rerun resumes the same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["main", "SIGNATURES"]
+
+log = logging.getLogger("autoragged")
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    ff: int
+    activation: str
+    dtype: str
+
+
+# The CoRa encoder of record and BERT-base / BERT-large shaped encoders, as PyTorch users build them
+# (nn.TransformerEncoder with its default nested-tensor fast path), fp16 on GPU.
+SIGNATURES = {
+    "cora": _Named("cora", 6, 512, 8, 2048, "relu", "float16"),
+    "bert-base": _Named("bert-base", 12, 768, 12, 3072, "gelu", "float16"),
+    "bert-large": _Named("bert-large", 24, 1024, 16, 4096, "gelu", "float16"),
+    "cpu-small": _Named("cpu-small", 2, 128, 4, 256, "relu", "float32"),
+}
+# optuna's search space for the ragged arm (compiles stay bounded: ~100 distinct kernels at most)
+SPACE = {
+    "block_m": [32, 64, 128],
+    "block_n": [32, 64],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3],
+    "align": [1, 16],
+    "backend": ["cublas", "triton"],
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m autoragged.tune",
+        description="Calibrate this GPU (or CPU) for autoragged: measure both arms over many length "
+        "distributions, search kernel configs with optuna, fit the cost model, store it in the tuning database.",
+        epilog="examples:\n  python -m autoragged.tune --quick            # about a minute\n"
+        "  python -m autoragged.tune --budget 10        # ten minutes, CoRa + BERT-base + BERT-large\n"
+        "  python -m autoragged.tune --refit            # refit from what is recorded (incl. traffic)\n"
+        "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--budget", type=float, default=10.0, metavar="MINUTES", help="measuring time (default 10)")
+    p.add_argument("--quick", action="store_true", help="about a minute: one signature, fewer configs")
+    p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
+    p.add_argument("--model", metavar="MODULE:FACTORY", help="calibrate for your own model: FACTORY() returns an "
+                   "nn.Module holding nn.TransformerEncoder(s); its device and dtype are used as they are")  # fmt: skip
+    p.add_argument("--signatures", nargs="+", choices=sorted(SIGNATURES), help="built-in encoders to calibrate "
+                   "(default: cora bert-base bert-large on GPU, cpu-small on CPU)")  # fmt: skip
+    p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch plan (a rerun with it resumes)")
+    p.add_argument("--trials", type=int, help="optuna configs tried per batch (default 2 on GPU, 0 on CPU)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every batch")
+    return p
+
+
+def _setup_logging(verbose: bool) -> None:
+    """The CLI's handler on the "autoragged" logger (replaced, not stacked, when main runs again)."""
+    for old in [h for h in log.handlers if getattr(h, "_autoragged_cli", False)]:
+        log.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler._autoragged_cli = True
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _user_encoders(spec: str):
+    """Encoders of the user's model: `package.module:factory`."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"--model must look like package.module:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--model {spec}: cannot load it ({e})") from None
+    import torch
+
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"--model {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
+    from ._dispatch import _targets
+
+    encoders = [m for m in _targets(model) if isinstance(m, torch.nn.TransformerEncoder)]
+    if not encoders:
+        raise SystemExit(f"--model {spec}: no nn.TransformerEncoder in the model")
+    return [e.eval() for e in encoders]
+
+
+def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
+    """The deterministic, endless batch plan: (index, signature slot, family, batch, max_len, item seed)."""
+    from .workloads import FAMILIES
+
+    families = list(FAMILIES)
+    max_batch = (128 if quick else 256) if on_gpu else 32
+    max_len = 512 if on_gpu else 128
+    rng = np.random.default_rng(seed)
+    for i in itertools.count():
+        slot = i % len(names)
+        family = families[(i // len(names)) % len(families)]
+        batch = int(round(2 ** rng.uniform(0, math.log2(max_batch))))
+        length = int(round(2 ** rng.uniform(3, math.log2(max_len))))
+        yield i, slot, family, batch, length, seed * 1_000_003 + i
+
+
+def _suggest(trial):
+    from kernels._config import KernelConfig
+
+    return KernelConfig(**{k: trial.suggest_categorical(k, v) for k, v in SPACE.items()})
+
+
+def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, batch_id):
+    """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
+    import torch
+
+    from kernels import ragged_attention as k_attn
+    from tuning_db import BatchStats, Measurement
+
+    from ._costmodel import PADDED, Arm
+    from ._measure import make_batch, time_ms
+    from ._planner import default_ragged_config
+    from .workloads import sample
+
+    rng = np.random.default_rng(item_seed)
+    lengths = tuple(sample(family, batch, max_len, rng))
+    stats = BatchStats.from_lengths(lengths)
+    dtype = runner.encoder.layers[0].linear1.weight.dtype
+    x, mask = make_batch(lengths, sig.d_model, dtype, ctx.device, seed=item_seed)
+    head_dim = sig.d_model // sig.heads
+    default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
+    arms = [PADDED, default]
+    told = []
+    if trials:
+        study = ctx.study(sig, stats.max_len)
+        for _ in range(trials):
+            trial = study.ask()
+            config = _suggest(trial)
+            if not k_attn.prune(config, head_dim=head_dim, max_len=stats.max_len) or config == default.config:
+                study.tell(trial, state=ctx.optuna.trial.TrialState.PRUNED)
+                continue
+            arms.append(Arm("ragged", config))
+            told.append((trial, len(arms) - 1))
+    reps = 5 if ctx.device.type == "cuda" else 3
+    timings = [time_ms(lambda a=a: runner.run(a, x, mask, lengths, stats), ctx.device, reps=reps) for a in arms]
+    for trial, i in told:
+        study.tell(trial, timings[i].median_ms / timings[1].median_ms)
+    if ctx.device.type == "cuda" and stats.batch * stats.max_len > 65536:
+        torch.cuda.empty_cache()  # big batches: give the memory back before the next signature's batch
+    now = time.time()
+    return [
+        Measurement(
+            ctx.key.key,
+            sig.key,
+            a.kind,
+            None if a.config is None else a.config.to_dict(),
+            stats,
+            t.median_ms,
+            t.p10_ms,
+            t.p90_ms,
+            t.reps,
+            now,
+            source="tune",
+            distribution=family,
+            extra={"batch_id": batch_id},
+        )  # fmt: skip
+        for a, t in zip(arms, timings)
+    ]
+
+
+class _Context:
+    def __init__(self, db, device, key):
+        self.db, self.device, self.key = db, device, key
+        self._studies = {}
+        self.optuna = None
+
+    def study(self, sig, max_len):
+        if self.optuna is None:
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            self.optuna = optuna
+        bucket = 1 << max(4, math.ceil(math.log2(max(max_len, 1))))
+        name = f"autoragged|{self.key.key}|{sig.key}|max_len<={bucket}"
+        if name not in self._studies:
+            self._studies[name] = self.optuna.create_study(
+                study_name=name, storage=self.db.optuna_storage_url(), load_if_exists=True, direction="minimize",
+                sampler=self.optuna.samplers.TPESampler(seed=hash(name) % 2**31, n_startup_trials=6),
+            )  # fmt: skip
+        return self._studies[name]
+
+
+def _measure(args, db, device, key) -> tuple[int, bool]:
+    """Measure until the budget is spent; returns (batches measured now, interrupted)."""
+    import torch
+    from tqdm import tqdm
+
+    from ._dispatch import signature_of
+    from ._measure import ArmRunner, build_encoder
+
+    on_gpu = device.type == "cuda"
+    if args.model:
+        encoders = _user_encoders(args.model)
+        names = [f"user{i}" for i in range(len(encoders))]
+    else:
+        names = args.signatures or (["cora"] if args.quick else ["cora", "bert-base", "bert-large"])
+        if not on_gpu:
+            names = args.signatures or ["cpu-small"]
+        encoders = []
+        for name in names:
+            n = SIGNATURES[name]
+            from tuning_db import ModuleSignature
+
+            sig = ModuleSignature(
+                "encoder", n.layers, n.d_model, n.heads, n.ff, n.activation, False, n.dtype, nested=True
+            )
+            encoders.append(build_encoder(sig, device))
+    runners = [ArmRunner(e.to(device)) for e in encoders]
+    sigs = [signature_of(r.encoder) for r in runners]
+    trials = args.trials if args.trials is not None else ((1 if args.quick else 2) if on_gpu else 0)
+    ctx = _Context(db, device, key)
+    plan_name = f"v1|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"
+    done = db.done_items(key.key, plan_name)
+    budget_s = args.budget * 60 if not args.quick else min(args.budget * 60, 60.0)
+    start = time.monotonic()
+    measured, skipped = 0, 0
+    # a bar on terminals only (disable=None): logs of non-interactive runs get the summary lines instead
+    bar = tqdm(
+        total=round(budget_s), unit="s", desc="calibrating", file=sys.stderr, dynamic_ncols=True, disable=None,
+        mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s {postfix}",
+    )  # fmt: skip
+    try:
+        for i, slot, family, batch, max_len, item_seed in _plan(names, args.quick, on_gpu, args.seed):
+            elapsed = time.monotonic() - start
+            if elapsed >= budget_s:
+                break
+            item = str(i)
+            if item in done:
+                skipped += 1
+                continue
+            sig = sigs[slot]
+            try:
+                rows = _measure_item(
+                    ctx, runners[slot], sig, family, batch, max_len, item_seed, trials, f"{plan_name}|{item}"
+                )
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                log.info(
+                    "batch %s (%s, B=%d, max_len=%d) did not fit in memory; skipped", item, sig.key, batch, max_len
+                )
+                db.mark_done(key.key, plan_name, [item])
+                continue
+            db.add_measurements(rows)  # one transaction per batch: an interrupt loses at most the batch in hand
+            db.mark_done(key.key, plan_name, [item])
+            measured += 1
+            log.debug("%s %s B=%d max_len=%d: %s", sig.key, family, batch, max_len,
+                      ", ".join(f"{r.arm}={r.median_ms:.3f}" for r in rows))  # fmt: skip
+            bar.set_postfix_str(f"{measured} batches", refresh=False)
+            bar.update(min(round(time.monotonic() - start), bar.total) - bar.n)
+    except KeyboardInterrupt:
+        bar.close()
+        log.info("interrupted after %d batches; what was measured is recorded and a rerun resumes", measured)
+        return measured, True
+    bar.update(bar.total - bar.n)
+    bar.close()
+    if skipped:
+        log.info("resumed: %d batches of this plan were measured by an earlier run", skipped)
+    return measured, False
+
+
+def _fit_and_store(db, key) -> int:
+    from ._costmodel import FEATURE_VERSION
+    from ._model import KIND, fit_cost_model
+
+    rows = db.measurements(device=key.key)
+    if not rows:
+        log.error("no measurements for %s in %s; run the tuner without --refit first", key.key, db.path)
+        return 1
+    t0 = time.perf_counter()
+    try:
+        model = fit_cost_model(rows, key)
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    metrics = dict(model.metrics, fit_seconds=round(time.perf_counter() - t0, 2))
+    model_id = db.save_model(device=key.key, feature_version=FEATURE_VERSION, kind=KIND, payload=model.to_payload(),
+                             metrics=metrics, signature="*")  # fmt: skip
+    print(f"\ncost model #{model_id} for {key.key}")
+    print(f"  fit on {metrics['rows']} measurements; evaluated with {metrics['holdout']} "
+          f"({metrics['batches']} held-out batches; families {', '.join(metrics['families'])})")  # fmt: skip
+    print("  | metric | learned model | analytic prior |")
+    print("  |---|---|---|")
+    print(f"  | decision accuracy | {metrics['accuracy']:.1%} | {metrics['prior_accuracy']:.1%} |")
+    print(f"  | mean regret | {metrics['mean_regret']:.2%} | {metrics['prior_mean_regret']:.2%} |")
+    print(f"  | p95 regret | {metrics['p95_regret']:.2%} | - |")
+    print(f"  | latency MAPE | {metrics['mape']:.1%} | - |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    if args.budget <= 0:
+        log.error("--budget must be positive, got %s", args.budget)
+        return 2
+    import torch
+
+    from tuning_db import DatabaseError, TuningDB
+
+    from ._device import device_key
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        log.error("--device cuda but no CUDA GPU is available")
+        return 2
+    try:
+        db = TuningDB.open(args.db)
+    except DatabaseError as e:
+        log.error("%s", e)
+        return 2
+    with db:
+        key = device_key(device)
+        db.register_device(key)
+        log.info("device: %s\ndatabase: %s", key.key, db.path)
+        if not args.refit:
+            t0 = time.monotonic()
+            measured, interrupted = _measure(args, db, device, key)
+            log.info("measured %d batches in %.0f s", measured, time.monotonic() - t0)
+            if interrupted:
+                return 130
+        return _fit_and_store(db, key)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The learned cost model and `python -m autoragged.tune` (on CPU, with tiny budgets)."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import autoragged
+from autoragged import _model, tune
+from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, Arm
+from autoragged._device import device_key
+from autoragged._dispatch import signature_of
+from autoragged._planner import default_ragged_config
+from tuning_db import BatchStats, Measurement, TuningDB
+
+
+def test_compiled_trees_reproduce_sklearn_exactly():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(500, len(FEATURE_NAMES)))
+    y = X[:, 0] ** 2 + np.sin(3 * X[:, 5]) + 0.05 * rng.normal(size=500)
+    fitted = _model._fit_trees(X, y)
+    compiled = _model._compile(fitted, device_key("cpu"), {})
+    Xt = rng.normal(size=(64, len(FEATURE_NAMES)))
+    np.testing.assert_allclose(compiled.residual(Xt), fitted.predict(Xt), rtol=0, atol=1e-9)
+    again = _model.CompiledModel.from_payload(json.loads(json.dumps(compiled.to_payload())))
+    np.testing.assert_allclose(again.residual(Xt), fitted.predict(Xt), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda p: p.update(kind="pickle"), "not a gbt-arrays"),
+        (lambda p: p.update(feature_names=["x"]), "other features"),
+        (lambda p: p["trees"]["left"].__setitem__(0, 10**6), "out of range"),
+        (lambda p: p["trees"]["value"].pop(), "unequal length"),
+        (lambda p: p.pop("baseline"), "malformed"),
+    ],
+)
+def test_malformed_payloads_are_refused(mutate, words):
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(200, len(FEATURE_NAMES)))
+    payload = _model._compile(_model._fit_trees(X, X[:, 0]), device_key("cpu"), {}).to_payload()
+    mutate(payload)
+    with pytest.raises(ValueError, match=words):
+        _model.CompiledModel.from_payload(payload)
+
+
+def test_evaluate_choices_on_a_hand_made_case():
+    measured = np.array([1.0, 2.0, 5.0, 4.0, 1.0, 1.005])
+    predicted = np.array([2.0, 1.0, 4.0, 3.0, 2.0, 1.0])  # batch a: wrong; b: right; c: a tie (0.5%)
+    m = _model.evaluate_choices(predicted, measured, ["a", "a", "b", "b", "c", "c"])
+    assert m["batches"] == 3 and m["accuracy"] == pytest.approx(2 / 3)
+    assert m["mean_regret"] == pytest.approx((1.0 + 0.0 + 0.005) / 3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reference_ops():
+    """The tuner's tests time the CPU reference path (the interpreter is for kernel tests: far too slow)."""
+    from autoragged import _ragged, ops
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "use_triton", lambda t: False)
+        mp.setattr(_ragged, "use_triton", lambda t: False)
+        yield
+
+
+def _run_tune(tmp_path, *args):
+    return tune.main(["--db", str(tmp_path / "t.sqlite"), "--device", "cpu", *args])
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One short CPU calibration shared by the tests below."""
+    path = tmp_path_factory.mktemp("tuned")
+    assert _run_tune(path, "--budget", "0.06", "--seed", "3") == 0
+    return path
+
+
+def test_tune_measures_fits_and_stores_a_model(tuned):
+    with TuningDB.open(tuned / "t.sqlite") as db:
+        key = device_key("cpu").key
+        rows = db.measurements(device=key)
+        model = db.latest_model(key, feature_version=FEATURE_VERSION)
+        assert db.devices() and db.devices()[0].key == key
+    assert len(rows) >= 40 and {r.arm for r in rows} == {"padded", "ragged"}
+    assert {r.distribution for r in rows} >= {"cora_beta", "lognormal"}
+    assert all(r.extra["batch_id"] for r in rows)
+    assert model is not None and model.kind == _model.KIND
+    for name in ("accuracy", "mean_regret", "p95_regret", "mape", "holdout", "prior_accuracy"):
+        assert name in model.metrics
+    assert 0.0 <= model.metrics["accuracy"] <= 1.0
+
+
+def test_runtime_choice_is_the_argmin_of_the_models_own_predictions(tuned):
+    enc = autoragged.tune.SIGNATURES["cpu-small"]
+    layer = torch.nn.TransformerEncoderLayer(enc.d_model, enc.heads, enc.ff, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, enc.layers).eval()
+    autoragged.wrap(model, db=tuned / "t.sqlite", sample_every=0)
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for _ in range(25):
+            lengths = [int(v) for v in rng.integers(1, 100, size=int(rng.integers(1, 20)))]
+            x = torch.randn(len(lengths), max(lengths), enc.d_model)
+            model(x, lengths=lengths)
+            d = autoragged.recent_decisions(model, 1)[0]
+            planner = model._autoragged.planners[torch.device("cpu")]
+            assert planner.model.name == "learned"
+            sig = signature_of(model)
+            arms = [PADDED, *planner.candidates(d.stats)]
+            predicted = planner.model.predict_ms(sig, d.stats, arms)
+            planner._cache.clear()  # the decision cache answers for a bucket; compare with this batch's own argmin
+            assert planner.plan(d.stats).arm == arms[int(np.argmin(predicted))]
+            assert d.predicted_ms  # every arm's prediction is recorded with the decision
+
+
+def test_refit_learns_from_traffic_rows(tuned, tmp_path):
+    import shutil
+
+    shutil.copy(tuned / "t.sqlite", tmp_path / "t.sqlite")
+    key = device_key("cpu").key
+    sig = tune.SIGNATURES["cpu-small"]
+    sig_key = f"encoder:{sig.layers}x{sig.d_model}/{sig.heads}h/ff{sig.ff}:relu:post:float32:nested"
+    stats = BatchStats.from_lengths((50, 10, 3))
+    traffic = [Measurement(key, sig_key, "padded", None, stats, 9.0, 9.0, 9.0, 1, 1.0, source="runtime")] * 5
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        before = db.latest_model(key).metrics["rows"]
+        db.add_measurements(traffic)
+    assert _run_tune(tmp_path, "--refit") == 0
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        assert db.latest_model(key).metrics["rows"] == before + 5
+
+
+def test_rerun_resumes_the_plan_and_interrupt_keeps_the_db_consistent(tmp_path, monkeypatch):
+    real = tune._measure_item
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune, "_measure_item", flaky)
+    assert _run_tune(tmp_path, "--budget", "1") == 130
+    plan_items = lambda db: db.done_items(device_key("cpu").key, next(iter(_plans(db))))
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        done = plan_items(db)
+        assert done == {"0", "1", "2", "3", "4"}
+        assert len(db.measurements()) == 5 * 2  # padded + default ragged per batch, nothing half-written
+        assert db.latest_model(device_key("cpu").key) is None  # interrupted: no fit
+    monkeypatch.setattr(tune, "_measure_item", real)
+    assert _run_tune(tmp_path, "--budget", "0.02") == 0
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        again = plan_items(db)
+        ids = [m.extra["batch_id"] for m in db.measurements()]
+    assert again > done and len(set(ids)) * 2 == len(ids)  # the first five were not measured twice
+
+
+def _plans(db):
+    rows = db._conn.execute("select distinct plan from tune_items").fetchall()
+    return [r[0] for r in rows]
+
+
+def test_user_model_factory(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent("""
+        import torch
+        def make():
+            layer = torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True, dropout=0.0)
+            return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 1))
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _run_tune(tmp_path, "--model", "my_models:make", "--budget", "0.03") == 0
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        sigs = {m.signature for m in db.measurements()}
+    assert sigs == {"encoder:1x64/2h/ff64:relu:post:float32:nested"}
+
+
+@pytest.mark.parametrize(
+    "spec, words", [("nope", "package.module:factory"), ("no_such_module_xyz:f", "cannot load it")]
+)
+def test_bad_model_spec_is_explained(tmp_path, spec, words):
+    with pytest.raises(SystemExit, match=words):
+        _run_tune(tmp_path, "--model", spec)
+
+
+def test_bad_budget_is_explained(tmp_path, capsys):
+    assert _run_tune(tmp_path, "--budget", "-1") == 2
+    assert "--budget must be positive" in capsys.readouterr().err
+
+
+def test_bad_or_corrupt_database_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert tune.main(["--db", str(tmp_path / "afile" / "t.sqlite"), "--refit"]) == 2
+    (tmp_path / "corrupt.sqlite").write_bytes(b"\x00garbage" * 100)
+    assert tune.main(["--db", str(tmp_path / "corrupt.sqlite"), "--refit"]) == 2
+    err = capsys.readouterr().err
+    assert "afile" in err and "corrupt.sqlite" in err and "Traceback" not in err
+
+
+def test_refit_without_measurements_says_so(tmp_path, capsys):
+    assert _run_tune(tmp_path, "--refit") == 1
+    assert "no measurements" in capsys.readouterr().err
+
+
+def test_default_ragged_arm_is_what_the_planner_offers_untuned():
+    sig = signature_of(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True), 1))
+    from autoragged._planner import Planner
+
+    planner = Planner(sig, _model.AnalyticPrior(device_key("cpu")))
+    stats = BatchStats.from_lengths((30, 4))
+    assert planner.candidates(stats) == [Arm("ragged", default_ragged_config(32, 30))]
