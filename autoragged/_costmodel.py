@@ -16,12 +16,29 @@ import numpy as np
 from kernels._config import KernelConfig
 from tuning_db.records import BatchStats, DeviceKey, ModuleSignature
 
-__all__ = ["Arm", "PADDED", "Work", "work", "features", "FEATURE_NAMES", "FEATURE_VERSION", "AnalyticPrior"]
+from ._buckets import padded_bucket, ragged_bucket
+
+__all__ = [
+    "Arm",
+    "KINDS",
+    "PADDED",
+    "PADDED_GRAPH",
+    "Work",
+    "work",
+    "features",
+    "FEATURE_NAMES",
+    "FEATURE_VERSION",
+    "AnalyticPrior",
+]
+
+
+KINDS = ("padded", "ragged", "padded_graph", "ragged_graph")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One way to run a batch. kind: "padded" | "ragged"; config: the ragged arm's knobs."""
+    """One way to run a batch. kind: one of KINDS ("_graph": replayed as a CUDA graph of its shape
+    bucket); config: the ragged arms' knobs (None for the padded ones)."""
 
     kind: str
     config: KernelConfig | None = None
@@ -30,8 +47,17 @@ class Arm:
     def label(self) -> str:
         return self.kind if self.config is None else f"{self.kind}:{self.config.short()}"
 
+    @property
+    def ragged(self) -> bool:
+        return self.kind.startswith("ragged")
+
+    @property
+    def graph(self) -> bool:
+        return self.kind.endswith("_graph")
+
 
 PADDED = Arm("padded")
+PADDED_GRAPH = Arm("padded_graph")
 
 
 @dataclass(frozen=True)
@@ -46,7 +72,10 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     """FLOPs and bytes of one forward of `sig` on a batch with `stats` through `arm` (all layers)."""
     B, L, D, F = stats.batch, stats.max_len, sig.d_model, sig.ff
     elt = 4 if sig.dtype == "float32" else 2
-    if arm.kind == "padded" or arm.config is None:
+    if arm.kind == "padded_graph":  # the captured padded forward (no nested conversion) on its bucket
+        Lb = padded_bucket(B, L)[1]
+        rows, attn, copies = float(B * Lb), float(B * Lb * Lb), 2.0 * B * L * D * elt
+    elif not arm.ragged or arm.config is None:
         # PyTorch's nested-tensor fast path computes the linears on real tokens only (and converts in/out)
         nested = sig.nested and stats.total < B * L
         rows = float(stats.total if nested else B * L)
@@ -55,6 +84,8 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     else:
         c = arm.config
         rows = stats.total + B * (c.align - 1) / 2  # alignment gaps, on average half an align each
+        if arm.graph:  # the bucket's spare rows are computed too
+            rows = float(ragged_bucket(int(rows), B, L)[0])
         # each component's queries round up to block_m and its keys to block_n
         attn = stats.sum_sq + (c.block_m + c.block_n) / 2 * stats.total + c.block_m * c.block_n / 4 * B
         copies = 2.0 * B * L * D * elt  # pack in, unpack out (the padded side of each copy)
@@ -64,12 +95,12 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
     "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes", "padded_nested",
-    "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas",
+    "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas", "graph",
 )  # fmt: skip
 
 
@@ -92,6 +123,7 @@ def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.nda
         knobs = [0.0] * 7 if c is None else [
             1.0, c.block_m, c.block_n, c.num_warps, c.num_stages, c.align, float(c.backend == "cublas")
         ]  # fmt: skip
+        knobs.append(float(arm.graph))
         out[i] = common + [
             math.log2(max(w.rows, 1)), math.log2(max(w.linear_flops / 1e9, 1e-9)),
             math.log2(max(w.attention_flops / 1e9, 1e-9)), math.log2(max(w.bytes / 1e6, 1e-9)),
@@ -118,6 +150,7 @@ class AnalyticPrior:
             self.bandwidth = 1e10
             self.padded_launch_ms = self.ragged_launch_ms = 0.02
             self.fixed_ragged_ms = 0.05
+            self.graph_ms = 0.05
         else:
             scale = device.sm_count / 132
             self.linear_rate = 4e14 * scale
@@ -127,13 +160,17 @@ class AnalyticPrior:
             self.padded_launch_ms = 0.08
             self.ragged_launch_ms = 0.07
             self.fixed_ragged_ms = 0.03
+            self.graph_ms = 0.04  # one replay plus the copies in and out, whatever the depth
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
         out = np.empty(len(arms))
         for i, arm in enumerate(arms):
             w = work(sig, stats, arm)
-            ragged = arm.kind == "ragged"
-            launch = sig.layers * (self.ragged_launch_ms if ragged else self.padded_launch_ms)
+            ragged = arm.ragged
+            if arm.graph:
+                launch = self.graph_ms
+            else:
+                launch = sig.layers * (self.ragged_launch_ms if ragged else self.padded_launch_ms)
             attn_rate = self.ragged_attention_rate if ragged else self.padded_attention_rate
             seconds = w.linear_flops / self.linear_rate + w.attention_flops / attn_rate + w.bytes / self.bandwidth
             out[i] = launch + (self.fixed_ragged_ms if ragged else 0.0) + 1e3 * seconds

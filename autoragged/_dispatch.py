@@ -30,11 +30,11 @@ from torch import nn
 from kernels._config import KernelConfig
 from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
 
-from ._costmodel import PADDED, AnalyticPrior, Arm
+from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from ._device import device_key
 from ._layout import Layout, as_lengths
 from ._planner import Plan, Planner, default_ragged_config
-from ._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
+from ._ragged import RaggedTensor, _batch_major, _from_padded, _to_padded, mask_lengths
 from ._recorder import RECORDER
 from .nn import activation_kind, encoder_values, support_error
 
@@ -43,6 +43,7 @@ __all__ = ["wrap", "unwrap", "recent_decisions", "flush", "POLICIES"]
 log = logging.getLogger("autoragged")
 POLICIES = ("auto", "padded", "ragged")
 _RING = 10_000
+_SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
 
 
 # -- the dispatching classes ----------------------------------------------------------------------
@@ -122,8 +123,12 @@ class _Record:
 
 class _Runtime:
     def __init__(self, module: nn.Module, policy: str, db_path: Path | None, sample_every: int, explore: bool,
-                 validate_lengths: bool, config):  # fmt: skip
+                 validate_lengths: bool, config, graphs: bool = True, graph_cap: int = 16):  # fmt: skip
         self.policy = policy
+        self.graphs_enabled = graphs
+        self.graph_cap = graph_cap
+        self.graphs = None  # GraphCache, made on the first graph arm
+        self.graph_min_seen = 2  # capture a bucket when it is asked for the second time
         self.db_path = db_path
         self.sample_every = sample_every
         self.explore = explore
@@ -150,7 +155,7 @@ class _Runtime:
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque())
+        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None)
         return state
 
     # -- the hot path -------------------------------------------------------------------------
@@ -185,9 +190,15 @@ class _Runtime:
                 arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
         record = _Record(stats, arm, plan.predicted_ms, why, device_key(x.device), self.sig_key)
         if sampled:
+            captures = self.graphs.captures if self.graphs is not None else 0
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        out = self._execute(module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats)
+        out, note = self._execute(module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats)
+        if sampled and self.graphs is not None and self.graphs.captures != captures:
+            sampled = False  # this call captured a graph: its time is not the arm's latency
+        if note:  # a graph arm ran eagerly this time: record what really ran, and why
+            record.arm = Arm(arm.kind[: -len("_graph")], arm.config)
+            record.reason = f"{why}; {note}"
         if sampled:
             end.record()
             self.ring.append(record)
@@ -196,7 +207,23 @@ class _Runtime:
             self._record(record)
         if self.pending:
             self._harvest()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autoragged %s: B=%d max_len=%d total=%d -> %s (%s)", self.sig_key, stats.batch,
+                      stats.max_len, stats.total, record.arm.label, record.reason)  # fmt: skip
+        if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
+            self._log_summary()
         return out
+
+    def _log_summary(self) -> None:
+        """One INFO line about the last _SUMMARY_EVERY batches of this module."""
+        last = list(self.ring)[-_SUMMARY_EVERY:]
+        counts: dict[str, int] = {}
+        for r in last:
+            counts[r.arm.kind] = counts.get(r.arm.kind, 0) + 1
+        shares = ", ".join(f"{k} {v / len(last):.0%}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        timed = [r.measured_ms for r in last if r.measured_ms is not None]
+        extra = f"; median sampled latency {sorted(timed)[len(timed) // 2]:.3f} ms" if timed else ""
+        log.info("autoragged %s: %d batches so far; last %d: %s%s", self.sig_key, self.count, len(last), shares, extra)
 
     def _param(self) -> torch.Tensor:
         return self.layers[0].linear1.weight
@@ -267,21 +294,70 @@ class _Runtime:
 
         key = device_key(device)
         learned = load_planner_inputs(self.db_path, key, self.sig)
-        if learned is None:
-            return Planner(self.sig, AnalyticPrior(key))
-        model, candidates = learned
+        head_dim = self.sig.d_model // max(self.sig.heads, 1)
+        model, shortlist = learned if learned is not None else (AnalyticPrior(key), None)
+        graphs = self.graphs_enabled and device.type == "cuda"
+
+        def candidates(stats: BatchStats) -> list[Arm]:
+            arms = shortlist(stats) if shortlist else [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
+            if graphs:  # the best-ranked config also as a graph, and the padded forward as one
+                arms = [*arms, Arm("ragged_graph", arms[0].config), PADDED_GRAPH]
+            return arms
+
         return Planner(self.sig, model, candidates)
 
     def _execute(self, module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats):
+        """Run `arm`; returns (output, note) where note says why a graph arm ran eagerly (else None)."""
         seq_axis = 1 if self.batch_first else 0
         causal = bool(is_causal) and attn_mask is not None
-        if arm.kind == "ragged":
+        note = None
+        if arm.graph:
+            out, note = self._execute_graph(module, arm, src, x, ragged_in, attn_mask, causal, lens, L, stats, seq_axis)
+            if note is None:
+                return out, None
+        if arm.ragged:
             if ragged_in:
                 values = encoder_values(self.layers, self.norm, x, src.layout, arm.config, causal)
-                return src.with_values(values)
+                return src.with_values(values), note
             rt = _from_padded(x, lens, arm.config.align, seq_axis)
             values = encoder_values(self.layers, self.norm, rt.values, rt.layout, arm.config, causal)
-            return _to_padded(RaggedTensor(values, rt.layout), 0.0, L, seq_axis)
+            return _to_padded(RaggedTensor(values, rt.layout), 0.0, L, seq_axis), note
+        return self._execute_padded(
+            module, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats, seq_axis
+        ), note
+
+    def _execute_graph(self, module, arm, src, x, ragged_in, attn_mask, causal, lens, L, stats, seq_axis):
+        """(output, None) from a replayed graph, or (None, why it must run eagerly)."""
+        if not x.is_cuda:
+            return None, "CUDA graphs need a GPU"
+        if self.graphs is None:
+            from ._graphs import GraphCache
+
+            self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
+        if arm.ragged:
+            layout = Layout.make(lens, arm.config.align)
+            if ragged_in and not src.layout.same_as(layout):
+                return None, f"the input's layout (align {src.align}) is not the graph's (align {arm.config.align})"
+            graph, note = self.graphs.ragged(self, module, arm.config, causal, stats, layout.rows, x.dtype, x.device)
+            if graph is None:
+                return None, note
+            with torch.inference_mode():
+                if ragged_in:
+                    return src.with_values(graph.run(None, x, lens, None)), None
+                out = x.new_empty((L, stats.batch, x.shape[-1]) if seq_axis == 0 else (stats.batch, L, x.shape[-1]))
+                graph.run(_batch_major(x, seq_axis), None, lens, _batch_major(out, seq_axis))
+            return out, None
+        if attn_mask is not None:
+            return None, "the padded graph takes no attn_mask"
+        padded = _to_padded(src, 0.0, L, seq_axis) if ragged_in else x
+        graph, note = self.graphs.padded(self, module, stats, L, x.dtype, x.device)
+        if graph is None:
+            return None, note
+        with torch.inference_mode():
+            out = graph.run(padded, lens)
+        return (_from_padded(out, lens, src.align, seq_axis) if ragged_in else out), None
+
+    def _execute_padded(self, module, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats, seq_axis):
         padded_in = _to_padded(src, 0.0, L, seq_axis) if ragged_in else src
         has_pads = stats.total < stats.batch * L
         pad_mask = (
@@ -358,6 +434,8 @@ def wrap(
     explore: bool = True,
     validate_lengths: bool = True,
     config: KernelConfig | None = None,
+    graphs: bool = True,
+    graph_cap: int = 16,
 ) -> nn.Module:
     """Make every `nn.TransformerEncoder` (and every `nn.TransformerEncoderLayer` outside one) in `model`
     choose, per batch, between its own padded forward and our ragged kernels. Returns `model` (changed
@@ -373,6 +451,8 @@ def wrap(
     validate_lengths: when both `lengths=` and a key padding mask are given, check they agree (one
                device->host copy); set False to trust `lengths` and skip the copy.
     config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).
+    graphs:    on CUDA, also consider each arm replayed as a CUDA graph of its shape bucket (captured
+               when a bucket recurs, at most `graph_cap` kept per module, least recently used out).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -394,7 +474,9 @@ def wrap(
         if hasattr(module, "_autoragged"):
             _unwrap_one(module)
         module.__class__ = _DISPATCHING[type(module)]
-        module._autoragged = _Runtime(module, policy, db_path, sample_every, explore, validate_lengths, config)
+        module._autoragged = _Runtime(
+            module, policy, db_path, sample_every, explore, validate_lengths, config, graphs, graph_cap
+        )
         reason = module._autoragged.static_reason
         if reason:
             log.info("autoragged: %s always runs padded: %s", type(module).__name__, reason)

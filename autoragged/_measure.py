@@ -82,8 +82,12 @@ class ArmRunner:
 
         self.encoder = wrap(encoder, db=False, policy="auto", sample_every=0)
         self.runtime = self.encoder._autoragged
+        self.runtime.graph_min_seen = 1  # measuring a graph arm means capturing it at once
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
         L = x.shape[1]
         with torch.inference_mode():
-            return self.runtime._execute(self.encoder, arm, x, x, False, None, mask, None, lengths, L, stats)
+            out, note = self.runtime._execute(self.encoder, arm, x, x, False, None, mask, None, lengths, L, stats)
+        if note:
+            raise RuntimeError(f"{arm.label} did not run as asked: {note}")
+        return out

@@ -27,7 +27,7 @@ import numpy as np
 from kernels._config import KernelConfig
 from tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 
-from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm, features
+from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, AnalyticPrior, Arm, features
 
 __all__ = ["CompiledModel", "fit_cost_model", "evaluate_choices", "KIND", "TIE"]
 
@@ -37,7 +37,9 @@ _FIELDS = ("feature", "threshold", "left", "right", "value", "leaf")
 
 
 def arm_of(m: Measurement) -> Arm:
-    return PADDED if m.arm == "padded" else Arm(m.arm, KernelConfig.from_dict(m.config or {}))
+    if m.arm not in KINDS:
+        raise ValueError(f"measurement of an unknown arm {m.arm!r} (known: {KINDS})")
+    return Arm(m.arm, KernelConfig.from_dict(m.config) if m.config else None)
 
 
 class CompiledModel:
@@ -236,7 +238,7 @@ def _shortlist(measurements: Sequence[Measurement], top: int = 3) -> dict[str, l
     the other configs measured on the same batch (geometric mean of latency / best on that batch)."""
     per_batch: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for m in measurements:
-        if m.arm == "ragged" and m.config and m.extra.get("batch_id"):
+        if m.arm == "ragged" and m.config and m.extra.get("batch_id"):  # eager: configs compared alone
             per_batch[(m.signature, str(m.extra["batch_id"]))].append(m)
     score: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     configs: dict[str, dict] = {}

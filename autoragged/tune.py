@@ -147,7 +147,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from kernels import ragged_attention as k_attn
     from tuning_db import BatchStats, Measurement
 
-    from ._costmodel import PADDED, Arm
+    from ._costmodel import PADDED, PADDED_GRAPH, Arm
     from ._measure import make_batch, time_ms
     from ._planner import default_ragged_config
     from .workloads import sample
@@ -160,6 +160,8 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     head_dim = sig.d_model // sig.heads
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
+    if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
+        arms += [PADDED_GRAPH, Arm("ragged_graph", default.config)]
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)

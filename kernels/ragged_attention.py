@@ -10,7 +10,8 @@ Shape contracts
     q, k, v:        (T, H, Dh) values of one layout; any strides on T and H, stride 1 on Dh
     offsets:        (B + 1,), int32 — start of each component in values
     lengths:        (B,), int32 — real rows of each component (rows past it are never read)
-    grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M)
+    grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M), or more
+                    with entries -1 for spare programs (a grid sized for a CUDA-graph bucket)
     block_offsets:  (B + 1,), int32 — first query block of each component (prefix sum of blocks)
     out:            (T, H, Dh); real rows, and zeros on the gap rows of each component's last query
                     block (all gap rows when align <= BLOCK_M); rows outside every extent untouched
@@ -91,6 +92,8 @@ def _ragged_attn_fwd_kernel(
     pid = tl.program_id(0)
     head = tl.program_id(1)
     comp = tl.load(grid_mapping + pid)
+    if comp < 0:  # a spare program of a grid sized for a bucket (CUDA graphs): no block to do
+        return
     block = pid - tl.load(block_offsets + comp)
     start = tl.load(offsets + comp).to(tl.int64)
     length = tl.load(lengths + comp)

@@ -93,13 +93,23 @@ def _block_d(D: int) -> int:
     return min(next_pow2(max(D, 1)), _MAX_BLOCK_D)
 
 
-def pack(src: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, rows: int, max_extent: int) -> torch.Tensor:
-    """Gather `src` (B, L, D) into new values (rows, D); gap rows are zeros. `max_extent` is the host-known
-    largest `offsets[i+1] - offsets[i]` (it sizes the grid; no device read)."""
+def pack(
+    src: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    rows: int,
+    max_extent: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather `src` (B, L, D) into values (rows, D), new or the first `rows` rows of `out`; gap rows are
+    zeros. `max_extent` is the host-known largest `offsets[i+1] - offsets[i]` (it sizes the grid)."""
     B, _, D = src.shape
-    out = torch.empty((rows, D), dtype=src.dtype, device=src.device)
+    if out is None:
+        out = torch.empty((rows, D), dtype=src.dtype, device=src.device)
+    elif out.shape[0] < rows or out.shape[1:] != (D,) or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} cannot hold ({rows}, {D}) packed rows")
     if B == 0 or rows == 0 or D == 0:
-        return out.zero_()
+        return out[:rows].zero_()
     grid = (B, triton.cdiv(max_extent, PACK_BLOCK_M))
     _pack_kernel[grid](
         src,

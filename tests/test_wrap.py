@@ -301,3 +301,19 @@ def test_decisions_reach_the_database(tmp_path):
         rows = db.decisions()
     assert len(rows) == 3 and rows[0].signature == "encoder:2x64/2h/ff96:relu:post:float32"
     assert rows[0].stats.total == 8 and rows[0].arm in ("padded", "ragged") and rows[0].predicted_ms
+
+
+def test_decisions_are_logged(caplog):
+    import logging
+
+    from autoragged import _dispatch
+
+    enc = autoragged.wrap(make_encoder(), db=False)
+    x, mask = batch([5, 3], 64, "cpu")
+    with caplog.at_level(logging.DEBUG, logger="autoragged"), torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
+        enc._autoragged.count = _dispatch._SUMMARY_EVERY - 1
+        enc(x, src_key_padding_mask=mask)
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "B=2 max_len=5 total=8" in r.getMessage()]
+    info = [r for r in caplog.records if r.levelno == logging.INFO and "batches so far" in r.getMessage()]
+    assert len(debug) == 2 and len(info) == 1

@@ -1,0 +1,224 @@
+"""CUDA-graph arms: each arm captured per shape bucket and replayed.
+
+On the short rows of the benchmark of record the GPU work of a batch is tens of microseconds and the
+eager arms spend about a millisecond launching kernels; a replay launches the whole encoder at once.
+
+ragged_graph: the encoder layers run on static values of `rows` bucket rows, with the layout in one
+    static int32 buffer (offsets, lengths, prelude). Per batch: one host->device copy of the layout
+    (through pinned memory, no sync), the pack kernel into the static values, the replay, the unpack
+    into a fresh output. Spare components have length 0; spare attention programs see a grid_mapping
+    of -1 and exit; spare rows are computed by the row-wise kernels and read by nothing.
+padded_graph: the original module captured on a static (B, bucket length) input with the key padding
+    mask computed in the graph from static lengths; PyTorch's nested-tensor conversion is off during
+    capture (it synchronises, so it cannot be captured). Per batch: copy in, replay, copy out.
+
+Graphs of one module share one memory pool; at most `cap` are kept (least recently used out). A bucket
+is captured the `min_seen`-th time it is asked for (one-off shapes stay eager). A failed capture is
+remembered with its reason and the batch runs eagerly. Parameters are read in place, so in-place
+updates are seen by the next replay; parameters replaced by new storage invalidate every graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from kernels import ragged_pack
+
+from ._buckets import padded_bucket, ragged_bucket
+
+__all__ = ["GraphCache"]
+
+log = logging.getLogger("autoragged")
+
+
+class _StaticLayout:
+    """What the ragged kernels read of a layout, as views of one static int32 buffer."""
+
+    def __init__(self, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, max_len: int):
+        self.offsets = meta[: batch + 1]
+        self.lengths = meta[batch + 1 : 2 * batch + 1]
+        self.grid_mapping = meta[2 * batch + 1 : 2 * batch + 1 + programs]
+        self.block_offsets = meta[2 * batch + 1 + programs :]
+        self.block_m, self.align, self.max_len = block_m, align, max_len
+
+    def device_meta(self, device):
+        return self.offsets, self.lengths
+
+    def prelude(self, block_m, device):
+        if block_m != self.block_m:
+            raise ValueError(f"this graph was captured for block_m={self.block_m}, asked for {block_m}")
+        return self.grid_mapping, self.block_offsets
+
+
+def _host_meta(lengths, align: int, block_m: int, batch: int, programs: int) -> tuple[np.ndarray, int, int]:
+    """(int32 metadata laid out as _StaticLayout reads it, rows used, largest extent)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    ext = (lens + align - 1) // align * align
+    counts = (lens + block_m - 1) // block_m
+    meta = np.empty(2 * batch + 1 + programs + batch + 1, dtype=np.int32)
+    B = len(lens)
+    offsets = meta[: batch + 1]
+    offsets[0] = 0
+    np.cumsum(ext, out=offsets[1 : B + 1])
+    offsets[B + 1 :] = offsets[B]
+    meta[batch + 1 : batch + 1 + B] = lens
+    meta[batch + 1 + B : 2 * batch + 1] = 0
+    grid = meta[2 * batch + 1 : 2 * batch + 1 + programs]
+    used = int(counts.sum())
+    grid[:used] = np.repeat(np.arange(B, dtype=np.int32), counts)
+    grid[used:] = -1
+    block_offsets = meta[2 * batch + 1 + programs :]
+    block_offsets[0] = 0
+    np.cumsum(counts, out=block_offsets[1 : B + 1])
+    block_offsets[B + 1 :] = block_offsets[B]
+    return meta, int(offsets[B]), int(ext.max(initial=0))
+
+
+def _params(module) -> list[torch.Tensor]:
+    return [p for p in module.parameters()]
+
+
+class _RaggedGraph:
+    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool):
+        rows, batch, max_len = key[:3]
+        D = runtime.layers[0].self_attn.embed_dim
+        self.config, self.batch, self.rows = config, batch, rows
+        self.programs = rows // config.block_m + batch
+        self.values = torch.zeros(rows, D, dtype=dtype, device=device)
+        meta, _, _ = _host_meta([], config.align, config.block_m, batch, self.programs)
+        self.meta = torch.from_numpy(meta).to(device)
+        self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
+        from .nn import encoder_values
+
+        run = lambda: encoder_values(runtime.layers, runtime.norm, self.values, self.layout, config, causal)
+        _warm_and_capture(self, run, device, pool)
+
+    def run(self, x_bld: torch.Tensor | None, values: torch.Tensor | None, lengths, out: torch.Tensor | None):
+        """Fill the static inputs from a padded batch (x_bld, batch-major) or ragged values, replay, and
+        unpack into `out` (B, L, D) or return the result rows (values input)."""
+        B = len(lengths)
+        meta, rows, max_extent = _host_meta(lengths, self.config.align, self.config.block_m, self.batch, self.programs)
+        self.meta.copy_(torch.from_numpy(meta).pin_memory(), non_blocking=True)
+        offsets, dev_lengths = self.layout.offsets[: B + 1], self.layout.lengths[:B]
+        if values is not None:
+            self.values[:rows].copy_(values)
+        else:
+            ragged_pack.pack(x_bld, offsets, dev_lengths, rows, max_extent, out=self.values)
+        self.graph.replay()
+        if out is None:
+            return self.output[:rows].clone()
+        return ragged_pack.unpack(self.output, offsets, dev_lengths, out, 0.0)
+
+
+class _PaddedGraph:
+    def __init__(self, runtime, module, key, dtype, device, pool):
+        batch, length = key[1], key[2]
+        D = runtime.layers[0].self_attn.embed_dim
+        self.batch_first = runtime.batch_first
+        shape = (batch, length, D) if self.batch_first else (length, batch, D)
+        self.x = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        positions = torch.arange(length, dtype=torch.int32, device=device)
+
+        def run():
+            mask = positions[None, :] >= self.lengths[:, None]
+            out = runtime.base.forward(module, self.x, None, mask, None)
+            fill = mask[..., None] if self.batch_first else mask.t()[..., None]
+            return out.masked_fill(fill, 0.0)
+
+        nested = getattr(module, "use_nested_tensor", None)
+        try:
+            if nested is not None:
+                module.use_nested_tensor = False  # the nested conversion synchronises: not capturable
+            _warm_and_capture(self, run, device, pool)
+        finally:
+            if nested is not None:
+                module.use_nested_tensor = nested
+
+    def run(self, x: torch.Tensor, lengths) -> torch.Tensor:
+        L = x.shape[1] if self.batch_first else x.shape[0]
+        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32).pin_memory(), non_blocking=True)
+        if self.batch_first:
+            self.x[:, :L].copy_(x)
+        else:
+            self.x[:L].copy_(x)
+        self.graph.replay()
+        return (self.output[:, :L] if self.batch_first else self.output[:L]).clone()
+
+
+def _warm_and_capture(holder, run, device, pool) -> None:
+    """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.inference_mode():
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    holder.graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool):
+        holder.output = run()
+
+
+class GraphCache:
+    """The captured graphs of one wrapped module (see the module docstring)."""
+
+    def __init__(self, cap: int = 16, min_seen: int = 2):
+        self.cap, self.min_seen = cap, min_seen
+        self.graphs: OrderedDict[tuple, object] = OrderedDict()
+        self.failed: dict[tuple, str] = {}
+        self.seen: dict[tuple, int] = {}
+        self.pool = None
+        self.captures = 0  # graphs captured so far (a call that captured is not a timing sample)
+        self._ptrs: tuple[int, ...] | None = None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+        self._ptrs = None
+
+    def _check_params(self, module) -> None:
+        ptrs = tuple(p.data_ptr() for p in _params(module))
+        if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
+            log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
+            self.graphs.clear()
+        self._ptrs = ptrs
+
+    def _get(self, key, make):
+        """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph, None
+        if key in self.failed:
+            return None, f"graph capture failed earlier: {self.failed[key]}"
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        if seen < self.min_seen:
+            return None, "graph bucket seen for the first time (captured when it recurs)"
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.captures += 1
+        try:
+            graph = make()
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly, say why
+            torch.cuda.synchronize()
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+            self.failed[key] = reason
+            log.warning("autoragged: CUDA graph capture failed for bucket %s, running eagerly: %s", key, reason)
+            return None, f"graph capture failed: {reason}"
+        self.graphs[key] = graph
+        if len(self.graphs) > self.cap:
+            self.graphs.popitem(last=False)
+        return graph, None
+
+    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device):
+        self._check_params(module)
+        key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal)
+        return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
+
+    def padded(self, runtime, module, stats, seq_len, dtype, device):
+        self._check_params(module)
+        key = ("padded", *padded_bucket(stats.batch, seq_len))
+        return self._get(key, lambda: _PaddedGraph(runtime, module, key, dtype, device, self.pool))

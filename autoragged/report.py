@@ -1,0 +1,985 @@
+"""`python -m autoragged.report`: what the runtime decided, why, and whether it was right.
+
+Per wrapped module (device and `ModuleSignature`): batches seen, the share of each arm and kernel config,
+why batches fell back to padded, predicted against measured latency on sampled batches, the time the
+cost model estimates the choices saved, and the regret measured on sampled batches. Per device: the
+calibration (the newest cost model and its held-out metrics) and the measurement counts.
+
+    python -m autoragged.report                      # terminal tables
+    python -m autoragged.report --since 2h --html report.html
+
+In a notebook, `summary()` returns the same numbers as dataclasses (the CLI prints from it):
+
+    s = autoragged.report.summary(since="7d")
+    s.devices[0].modules[0].saved.vs_padded_pct
+
+Cost: the decisions and measurements in the window are read into Python in full (a full scan of the
+file: about a second per 10^5 decisions; 10^6 is acceptable for now but slow). `--since` and `--device`
+narrow the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import html
+import io
+import logging
+import math
+import os
+import re
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernels._config import KernelConfig
+from tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
+
+from ._costmodel import FEATURE_VERSION
+from ._planner import bucket_key
+
+__all__ = [
+    "main",
+    "summary",
+    "write_html",
+    "parse_since",
+    "arm_label",
+    "render_text",
+    "render_html",
+    "Summary",
+    "DeviceSummary",
+    "Calibration",
+    "ModuleSummary",
+    "Share",
+    "TimeSaved",
+    "Regret",
+]
+
+log = logging.getLogger("autoragged")
+
+EMPTY_MESSAGE = (
+    "no decisions recorded yet in {path}; wrap a model with autoragged.wrap(...) and run it, "
+    "or calibrate with python -m autoragged.tune"
+)
+SINCE_FORMS = (
+    "an ISO date or datetime (2026-01-31, 2026-01-31T14:30, 2026-01-31 14:30:00+00:00; local time unless an "
+    "offset is given) or an age: a number and s, m, h, d or w (45s, 30m, 2h, 7d, 2w)"
+)
+_AGE = re.compile(r"(\d+(?:\.\d*)?)\s*([smhdw])", re.IGNORECASE)
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG down
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class Share:
+    """How many of a module's batches went one way. label: an arm ("padded", "ragged") or an arm label
+    ("padded", "ragged:m64n64k64w4s2a1-cublas"); batches: count; share: batches / module batches (0..1)."""
+
+    label: str
+    batches: int
+    share: float
+
+
+@dataclass
+class TimeSaved:
+    """What the choices saved, ESTIMATED BY THE COST MODEL (predicted latencies, not measurements).
+
+    Over the `batches` decisions whose predicted_ms holds the chosen arm, "padded" and at least one eager
+    ragged label ("ragged:<config>"): chosen_ms = sum of predicted[chosen]; always_padded_ms = sum of
+    predicted["padded"] (the module as written, eager); always_ragged_ms = sum of the best predicted eager
+    ragged config per batch (graph-replayed arms are not baselines); vs_*_ms = always_*_ms - chosen_ms
+    (ms, positive = the choices were faster); vs_*_pct = 100 * vs_*_ms / always_*_ms (percent, None when
+    there is nothing to divide by).
+    """
+
+    batches: int = 0
+    chosen_ms: float = 0.0
+    always_padded_ms: float = 0.0
+    always_ragged_ms: float = 0.0
+    vs_padded_ms: float = 0.0
+    vs_padded_pct: float | None = None
+    vs_ragged_ms: float = 0.0
+    vs_ragged_pct: float | None = None
+
+
+@dataclass
+class Regret:
+    """Regret measured on sampled batches (Decision.measured_ms), grouped as the planner groups batches.
+
+    Sampled batches the planner decided (predicted_ms not empty) are grouped by `_planner.bucket_key(stats)`
+    and arm label; a bucket is evaluated when it has measured means for two labels or more. A batch's
+    regret = measured mean of its label / best measured mean of its bucket - 1 (a fraction: 0.1 = 10%
+    slower than the best arm measured there).
+
+    buckets: buckets with a sampled planner batch; evaluated_buckets: those with several labels measured;
+    batches: batches whose regret counts (planner choices in evaluated buckets); mean, max: of their
+    regrets (fractions; None when no batch counts); exploring: sampled exploration batches (the runtime
+    deliberately ran another arm than the planner's choice): their latencies go into the bucket means,
+    their regret does not (it measures the exploration budget, not the decisions).
+    """
+
+    buckets: int = 0
+    evaluated_buckets: int = 0
+    batches: int = 0
+    mean: float | None = None
+    max: float | None = None
+    exploring: int = 0
+
+
+@dataclass
+class ModuleSummary:
+    """The decisions of one wrapped module kind (one `ModuleSignature.key`) on one device.
+
+    batches: decisions recorded (one per forward); first, last: their time range (unix seconds);
+    arms: share per arm ("padded", "ragged"); configs: share per arm label (each ragged KernelConfig apart);
+    fallback_reasons: reason -> batches for padded batches forced without a prediction (policy or a
+    feature the ragged arm does not support), most frequent first; decided_by: reason -> batches for all
+    other batches ("cost model (prior)", "measured on this device", "exploring (...)", "policy=ragged");
+    sampled: batches with a measured latency; mape, mape_batches: mean |predicted - measured| / measured
+    (a fraction) over sampled batches whose chosen arm had a prediction, and their count;
+    saved: time saved, a cost-model estimate; regret: measured regret on sampled batches.
+    """
+
+    device: str
+    signature: str
+    batches: int
+    first: float
+    last: float
+    arms: list[Share]
+    configs: list[Share]
+    fallback_reasons: dict[str, int]
+    decided_by: dict[str, int]
+    sampled: int
+    mape: float | None
+    mape_batches: int
+    saved: TimeSaved
+    regret: Regret
+
+
+@dataclass
+class Calibration:
+    """The newest cost model stored for a device (what `python -m autoragged.tune` fit).
+
+    model_id, kind, signature ("*" = all signatures), feature_version; current: whether this autoragged's
+    runtime reads it (same feature version); created: unix seconds; accuracy: share of held-out batches
+    where the model picked the fastest arm (0..1); mean_regret, p95_regret: latency of its pick / best - 1
+    on held-out batches (fractions); mape: held-out latency error (fraction); holdout: how rows were held
+    out; rows: measurements fit on; metrics: everything the tuner stored. A metric not stored is None.
+    """
+
+    model_id: int
+    kind: str
+    signature: str
+    feature_version: int
+    current: bool
+    created: float
+    accuracy: float | None
+    mean_regret: float | None
+    p95_regret: float | None
+    mape: float | None
+    holdout: str | None
+    rows: int | None
+    metrics: dict[str, Any]
+
+
+@dataclass
+class DeviceSummary:
+    """One device key (`DeviceKey.key`). name: the GPU/CPU name when the device is registered, else None;
+    decisions: batches in the window (all modules); measurements: measured rows in the window, and per
+    source ("tune", "runtime"); models: cost models stored for it (any time); calibration: the newest
+    one or None (the runtime then uses the analytic prior); modules: per signature, most batches first."""
+
+    key: str
+    name: str | None
+    decisions: int
+    measurements: int
+    measurements_by_source: dict[str, int]
+    models: int
+    calibration: Calibration | None
+    modules: list[ModuleSummary]
+
+
+@dataclass
+class Summary:
+    """A report over one tuning database.
+
+    path: the database file; generated: unix seconds; since: the window's start (unix seconds, None = all
+    time; applies to decisions and measurements, not to the calibration shown, which is the newest);
+    device: the device key the report is limited to (None = all); counts: rows per table in the whole
+    file, unfiltered; decisions: decisions in the window; devices: those with decisions, measurements or
+    a cost model, registered ones first.
+    """
+
+    path: str
+    generated: float
+    since: float | None
+    device: str | None
+    counts: dict[str, int]
+    decisions: int
+    devices: list[DeviceSummary] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing recorded at all in the file (no decisions, cost models or measurements)."""
+        return not any(self.counts.get(t, 0) for t in ("decisions", "models", "measurements"))
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def arm_label(arm: str, config: dict[str, Any] | None) -> str:
+    """The label a decision's arm has in `Decision.predicted_ms`: "padded", or "ragged:" + KernelConfig.short()."""
+    if not config:
+        return arm
+    try:
+        return f"{arm}:{KernelConfig.from_dict(config).short()}"
+    except (TypeError, ValueError):  # a config written by another autoragged version
+        return f"{arm}:{config_key(config)}"
+
+
+def _label(d: Decision | Measurement) -> str:
+    return arm_label(d.arm, d.config)
+
+
+def _is_padded(arm: str) -> bool:
+    return arm == "padded" or arm.startswith("padded_")
+
+
+def _forced(d: Decision) -> bool:
+    """Forced by the policy or by a feature the ragged arm lacks: nothing was predicted."""
+    return not d.predicted_ms
+
+
+def parse_since(value: Any, *, now: float | None = None) -> float | None:
+    """A point in time as unix seconds. Accepts None, unix seconds, a datetime or date (naive = local
+    time), a timedelta (that long before now), or a string: ISO date/datetime or an age like 30m, 2h, 7d."""
+    now = time.time() if now is None else now
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        pass  # True is an int to Python, not a time to anyone
+    elif isinstance(value, (int, float)):
+        return float(value)
+    elif isinstance(value, dt.datetime):
+        return value.timestamp()
+    elif isinstance(value, dt.date):
+        return dt.datetime.combine(value, dt.time()).timestamp()
+    elif isinstance(value, dt.timedelta):
+        return now - value.total_seconds()
+    elif isinstance(value, str):
+        text = value.strip()
+        age = _AGE.fullmatch(text)
+        if age:
+            return now - float(age[1]) * _UNIT_S[age[2].lower()]
+        try:
+            return dt.datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in "Zz" and text else text).timestamp()
+        except ValueError:
+            pass
+    raise ValueError(f"cannot read {value!r} as a time; use {SINCE_FORMS}")
+
+
+def _since_arg(text: str) -> float:
+    try:
+        return parse_since(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; use {SINCE_FORMS}") from None
+
+
+def _matches(query: str, keys: Sequence[str]) -> list[str]:
+    if query in keys:
+        return [query]
+    return [k for k in keys if query.lower() in k.lower()]
+
+
+def _resolve_device(db: TuningDB, query: str, since: float | None) -> str:
+    """The one device key equal to `query`, or containing it (case-insensitive); ValueError otherwise."""
+    keys = list(dict.fromkeys([d.key for d in db.devices()] + [m.device for m in db.models()]))
+    hits = _matches(query, keys)
+    if not hits:  # rows written by hand need not have a registered device: look at the rows themselves
+        seen = {d.device for d in db.decisions(since=since)} | {m.device for m in db.measurements(since=since)}
+        keys += sorted(seen - set(keys))
+        hits = _matches(query, keys)
+    if len(hits) == 1:
+        return hits[0]
+    listing = "".join(f"\n  {k}" for k in (hits or keys)) or " (none)"
+    if not hits:
+        raise ValueError(f"no device in {db.path} matches {query!r}; the devices there are:{listing}")
+    raise ValueError(f"{query!r} matches {len(hits)} devices; pass more of the key (or all of it):{listing}")
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class _Records:
+    """What one report reads from the database (once: the summary and the pictures both use it)."""
+
+    path: Path
+    generated: float
+    since: float | None
+    device: str | None
+    counts: dict[str, int]
+    registered: list[DeviceKey]
+    models: list[ModelRecord]
+    decisions: list[Decision]
+    measurements: list[Measurement]
+
+
+def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
+    """Read the window. Raises ValueError for a bad `since` or a device filter that matches no / several keys."""
+    since_s = parse_since(since)
+    key = None
+    if device is not None:
+        key = device.key if isinstance(device, DeviceKey) else _resolve_device(db, device, since_s)
+    return _Records(
+        path=db.path,
+        generated=time.time(),
+        since=since_s,
+        device=key,
+        counts=db.counts(),
+        registered=db.devices(),
+        models=db.models(key),
+        decisions=db.decisions(device=key, since=since_s),
+        measurements=db.measurements(device=key, since=since_s),
+    )
+
+
+def _open_existing(path: str | os.PathLike[str] | None) -> TuningDB:
+    """Open a database that must already exist (TuningDB.open would create a missing one)."""
+    db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
+    if not db_path.exists():
+        raise FileNotFoundError(
+            f"no tuning database at {db_path}; wrap a model with autoragged.wrap(...) and run it, or calibrate "
+            "with python -m autoragged.tune (or pass --db / set AUTORAGGED_DB to an existing file)"
+        )
+    return TuningDB.open(db_path)
+
+
+def _read(db: TuningDB | str | os.PathLike[str] | None, device: Any, since: Any) -> _Records:
+    if isinstance(db, TuningDB):
+        return _load(db, device, since)
+    with _open_existing(db) as opened:
+        return _load(opened, device, since)
+
+
+# --------------------------------------------------------------------------------------- summarizing
+
+
+def _shares(counter: Counter[str], total: int) -> list[Share]:
+    return [Share(label, n, n / total) for label, n in counter.most_common()]
+
+
+def _mape(decisions: Iterable[Decision]) -> tuple[float | None, int]:
+    errors = [
+        abs(d.predicted_ms[_label(d)] - d.measured_ms) / d.measured_ms
+        for d in decisions
+        if d.measured_ms is not None and d.measured_ms > 0 and _label(d) in d.predicted_ms
+    ]
+    return (statistics.fmean(errors) if errors else None), len(errors)
+
+
+def _time_saved(decisions: Iterable[Decision]) -> TimeSaved:
+    s = TimeSaved()
+    for d in decisions:
+        predicted = d.predicted_ms
+        chosen, padded = predicted.get(_label(d)), predicted.get("padded")
+        ragged = [ms for label, ms in predicted.items() if label.startswith("ragged:")]
+        if chosen is None or padded is None or not ragged:
+            continue
+        s.batches += 1
+        s.chosen_ms += chosen
+        s.always_padded_ms += padded
+        s.always_ragged_ms += min(ragged)
+    s.vs_padded_ms = s.always_padded_ms - s.chosen_ms
+    s.vs_ragged_ms = s.always_ragged_ms - s.chosen_ms
+    s.vs_padded_pct = 100 * s.vs_padded_ms / s.always_padded_ms if s.always_padded_ms > 0 else None
+    s.vs_ragged_pct = 100 * s.vs_ragged_ms / s.always_ragged_ms if s.always_ragged_ms > 0 else None
+    return s
+
+
+def _exploring(d: Decision) -> bool:
+    return d.reason.startswith("exploring")
+
+
+def _regret(decisions: Iterable[Decision]) -> Regret:
+    sampled = [d for d in decisions if d.measured_ms is not None and d.measured_ms > 0 and not _forced(d)]
+    by_bucket: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for d in sampled:
+        by_bucket[bucket_key(d.stats)][_label(d)].append(d.measured_ms)
+    means = {b: {label: statistics.fmean(ms) for label, ms in arms.items()} for b, arms in by_bucket.items()}
+    evaluated = {b for b, m in means.items() if len(m) >= 2}
+    regrets = []
+    for d in sampled:
+        b = bucket_key(d.stats)
+        if b in evaluated and not _exploring(d):
+            regrets.append(means[b][_label(d)] / min(means[b].values()) - 1.0)
+    return Regret(
+        buckets=len(means),
+        evaluated_buckets=len(evaluated),
+        batches=len(regrets),
+        mean=statistics.fmean(regrets) if regrets else None,
+        max=max(regrets) if regrets else None,
+        exploring=sum(map(_exploring, sampled)),
+    )
+
+
+def _module(device: str, signature: str, decisions: list[Decision]) -> ModuleSummary:
+    n = len(decisions)
+    fallbacks = Counter(d.reason for d in decisions if _forced(d) and _is_padded(d.arm))
+    decided = Counter(d.reason for d in decisions if not (_forced(d) and _is_padded(d.arm)))
+    mape, mape_batches = _mape(decisions)
+    return ModuleSummary(
+        device=device,
+        signature=signature,
+        batches=n,
+        first=min(d.time for d in decisions),
+        last=max(d.time for d in decisions),
+        arms=_shares(Counter(d.arm for d in decisions), n),
+        configs=_shares(Counter(map(_label, decisions)), n),
+        fallback_reasons=dict(fallbacks.most_common()),
+        decided_by=dict(decided.most_common()),
+        sampled=sum(d.measured_ms is not None for d in decisions),
+        mape=mape,
+        mape_batches=mape_batches,
+        saved=_time_saved(decisions),
+        regret=_regret(decisions),
+    )
+
+
+def _metric(metrics: dict[str, Any], name: str) -> Any:
+    value = metrics.get(name)
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _calibration(model: ModelRecord) -> Calibration:
+    m = model.metrics
+    return Calibration(
+        model_id=model.id,
+        kind=model.kind,
+        signature=model.signature,
+        feature_version=model.feature_version,
+        current=model.feature_version == FEATURE_VERSION,
+        created=model.created,
+        accuracy=_metric(m, "accuracy"),
+        mean_regret=_metric(m, "mean_regret"),
+        p95_regret=_metric(m, "p95_regret"),
+        mape=_metric(m, "mape"),
+        holdout=_metric(m, "holdout"),
+        rows=_metric(m, "rows"),
+        metrics=m,
+    )
+
+
+def _device_order(rec: _Records) -> list[str]:
+    present = {d.device for d in rec.decisions} | {m.device for m in rec.measurements} | {m.device for m in rec.models}
+    registered = [d.key for d in rec.registered if d.key in present]
+    return registered + sorted(present - set(registered))
+
+
+def _summarize(rec: _Records) -> Summary:
+    names = {d.key: d.name for d in rec.registered}
+    decisions: dict[str, dict[str, list[Decision]]] = defaultdict(lambda: defaultdict(list))
+    for d in rec.decisions:
+        decisions[d.device][d.signature].append(d)
+    sources: dict[str, Counter[str]] = defaultdict(Counter)
+    for m in rec.measurements:
+        sources[m.device][m.source] += 1
+    models: dict[str, list[ModelRecord]] = defaultdict(list)
+    for m in rec.models:
+        models[m.device].append(m)
+    devices = []
+    for key in _device_order(rec):
+        modules = [_module(key, sig, ds) for sig, ds in decisions[key].items()]
+        modules.sort(key=lambda m: (-m.batches, m.signature))
+        newest = max(models[key], key=lambda m: (m.created, m.id)) if models[key] else None
+        devices.append(
+            DeviceSummary(
+                key=key,
+                name=names.get(key),
+                decisions=sum(m.batches for m in modules),
+                measurements=sum(sources[key].values()),
+                measurements_by_source=dict(sources[key].most_common()),
+                models=len(models[key]),
+                calibration=None if newest is None else _calibration(newest),
+                modules=modules,
+            )
+        )
+    return Summary(
+        path=str(rec.path),
+        generated=rec.generated,
+        since=rec.since,
+        device=rec.device,
+        counts=rec.counts,
+        decisions=len(rec.decisions),
+        devices=devices,
+    )
+
+
+def summary(
+    db: TuningDB | str | os.PathLike[str] | None = None,
+    *,
+    device: str | DeviceKey | None = None,
+    since: float | str | dt.datetime | dt.timedelta | None = None,
+) -> Summary:
+    """The report's numbers as dataclasses (what `python -m autoragged.report` prints).
+
+    db: an open TuningDB (left open), or the path of an existing database (default: `default_path()`);
+        a missing file raises FileNotFoundError and is not created.
+    device: a device key, or a unique (case-insensitive) substring of one; ValueError when none or several match.
+    since: only decisions and measurements from then on: unix seconds, datetime, timedelta (that long ago),
+        or a string (ISO date/datetime, or an age such as "30m", "2h", "7d").
+    Reads every decision and measurement in the window into Python (see the module docstring).
+    Raises DatabaseError for a file that is not a tuning database.
+    """
+    return _summarize(_read(db, device, since))
+
+
+# ------------------------------------------------------------------------------------------ rendering
+# The report is built once as blocks (headings, paragraphs, tables, figure slots) and rendered either as
+# terminal text or as HTML, so both show the same tables.
+
+
+def _when(t: float) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f} ms" if abs(x) < 1e4 else f"{x / 1e3:.2f} s"
+
+
+def _count_of(n: int, what: str) -> str:
+    """`1 batch`, `3 batches`, `2 models`."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}{'es' if what.endswith(('s', 'ch')) else 's'}"
+
+
+def _header_blocks(s: Summary) -> list[tuple]:
+    window = f"since {_when(s.since)}" if s.since is not None else "all time"
+    scope = f"device {s.device}" if s.device else "all devices"
+    blocks: list[tuple] = [
+        ("h", 1, "autoragged decision report"),
+        ("p", f"database {s.path}; {window}; {scope}: {_count_of(s.decisions, 'decision')}; "
+              f"generated {_when(s.generated)}."),
+        ("p", "Time saved is a cost-model ESTIMATE (predicted latencies), not a measurement. MAPE and regret "
+              "are measured, on the sampled batches only."),
+    ]  # fmt: skip
+    if not s.devices:
+        blocks.append(("p", f"No decisions, measurements or cost models match ({window}; {scope})."))
+    return blocks
+
+
+def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
+    c = dev.calibration
+    if c is None:
+        return [("p", "Not calibrated: the runtime decides with the analytic prior (python -m autoragged.tune "
+                      "calibrates this device).")]  # fmt: skip
+    applies = "all signatures" if c.signature == "*" else c.signature
+    used = "" if c.current else f" (feature version {c.feature_version}: this autoragged ignores it; re-run tune)"
+    rows = [
+        ("cost model", f"#{c.model_id} {c.kind}, for {applies}{used}"),
+        ("calibrated", f"{_when(c.created)} ({_count_of(dev.models, 'model')} stored)"),
+        ("decision accuracy (held out)", _pct(c.accuracy)),
+        ("mean regret (held out)", _pct(c.mean_regret, 2)),
+        ("p95 regret (held out)", _pct(c.p95_regret, 2)),
+        ("latency MAPE (held out)", _pct(c.mape)),
+        ("held out", c.holdout or "-"),
+        ("fit rows", "-" if c.rows is None else str(c.rows)),
+    ]
+    return [("table", ["calibration", "value"], rows)]
+
+
+def _device_blocks(dev: DeviceSummary) -> list[tuple]:
+    title = f"device {dev.key}"
+    blocks: list[tuple] = [("h", 2, title)]
+    blocks += _calibration_blocks(dev)
+    by_source = ", ".join(f"{src or '?'} {n}" for src, n in dev.measurements_by_source.items())
+    blocks.append(("p", f"measurements: {dev.measurements}" + (f" ({by_source})" if by_source else "")
+                        + f"; decisions: {dev.decisions}."))  # fmt: skip
+    blocks.append(("fig", f"lat|{dev.key}", f"latency by batch size and arm on {dev.key}"))
+    if not dev.modules:
+        blocks.append(("p", "No decisions recorded for this device in the window."))
+    for module in dev.modules:
+        blocks += _module_blocks(module)
+    return blocks
+
+
+def _saved_rows(s: TimeSaved) -> list[tuple]:
+    def pct(ms: float | None, of: float) -> str:
+        return "-" if ms is None else f"{ms:+.1f}% of {_ms(of)}"
+
+    return [
+        ("vs always padded", _ms(s.vs_padded_ms), pct(s.vs_padded_pct, s.always_padded_ms)),
+        ("vs always ragged (best config per batch)", _ms(s.vs_ragged_ms), pct(s.vs_ragged_pct, s.always_ragged_ms)),
+    ]
+
+
+def _checks_rows(m: ModuleSummary) -> list[tuple]:
+    r = m.regret
+    mape = "no sampled batch with a prediction" if m.mape is None else f"MAPE {_pct(m.mape)} over {m.mape_batches}"
+    if r.mean is None:
+        regret = f"not measurable: {r.evaluated_buckets} of {r.buckets} buckets have several arms measured"
+    else:
+        regret = (
+            f"mean {_pct(r.mean, 2)} (max {_pct(r.max, 2)}) over {_count_of(r.batches, 'batch')}; "
+            f"{r.evaluated_buckets} of {r.buckets} buckets have several arms measured"
+        )
+    if r.exploring:
+        regret += f"; {_count_of(r.exploring, 'exploration batch')} left out"
+    return [
+        ("sampled batches (measured)", str(m.sampled)),
+        ("predicted vs measured latency", mape),
+        ("regret on sampled batches", regret),
+    ]
+
+
+def _module_blocks(m: ModuleSummary) -> list[tuple]:
+    blocks: list[tuple] = [
+        ("h", 3, f"module {m.signature}"),
+        ("p", f"{_count_of(m.batches, 'batch')} from {_when(m.first)} to {_when(m.last)}."),
+        ("table", ["arm", "batches", "share"], [(s.label, s.batches, _pct(s.share)) for s in m.arms]),
+        ("table", ["arm and config", "batches", "share"], [(s.label, s.batches, _pct(s.share)) for s in m.configs]),
+    ]
+    if m.fallback_reasons:
+        rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.fallback_reasons.items()]
+        blocks.append(("table", ["padded fallback (forced, no prediction)", "batches", "share"], rows))
+    if m.decided_by:
+        rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.decided_by.items()]
+        blocks.append(("table", ["decided by", "batches", "share"], rows))
+    blocks.append(("table", ["measured check", "value"], _checks_rows(m)))
+    s = m.saved
+    title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
+    blocks.append(("table", [title, "ms", "%"], _saved_rows(s)))
+    key = f"{m.device}|{m.signature}"
+    blocks.append(("fig", f"map|{key}", f"decision map of {m.signature}: mean length vs padding fraction"))
+    blocks.append(("fig", f"pvm|{key}", f"predicted vs measured latency of {m.signature} (sampled batches)"))
+    return blocks
+
+
+def _blocks(s: Summary) -> list[tuple]:
+    blocks = _header_blocks(s)
+    for dev in s.devices:
+        blocks += _device_blocks(dev)
+    return blocks
+
+
+_NUMBER = re.compile(r"[+-]?[\d.,]+( ms| s|%)?( of .*)?")
+
+
+def _text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, headers))] + [list(map(str, r)) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_NUMBER.fullmatch(r[i]) for r in cells[1:]) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:  # numbers right-aligned, words left
+        padded = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)]
+        return "| " + " | ".join(padded) + " |"
+
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
+
+
+def render_text(s: Summary) -> str:
+    """The terminal report (markdown-ish: headings and pipe tables)."""
+    out = []
+    for block in _blocks(s):
+        if block[0] == "h":
+            out.append(f"{'#' * block[1]} {block[2]}")
+        elif block[0] == "p":
+            out.append(block[1])
+        elif block[0] == "table":
+            out.append(_text_table(block[1], block[2]))
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+table { border-collapse: collapse; margin: 0.8em 0; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f2f2f2; }
+figure { margin: 1em 0; } figcaption { color: #555; font-size: 0.9em; }
+h2 { border-top: 2px solid #888; padding-top: 0.6em; margin-top: 2em; }
+.missing { color: #777; font-style: italic; }
+"""
+
+
+def render_html(s: Summary, images: dict[str, bytes]) -> str:
+    """One self-contained HTML page: the tables of `render_text` and the PNGs of `images` (by figure key)."""
+    esc = html.escape
+    parts = [f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>autoragged decision report</title>"
+             f"<style>{_CSS}</style></head><body>"]  # fmt: skip
+    for block in _blocks(s):
+        kind = block[0]
+        if kind == "h":
+            parts.append(f"<h{block[1]}>{esc(block[2])}</h{block[1]}>")
+        elif kind == "p":
+            parts.append(f"<p>{esc(block[1])}</p>")
+        elif kind == "table":
+            head = "".join(f"<th>{esc(str(h))}</th>" for h in block[1])
+            body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in block[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "fig":
+            png = images.get(block[1])
+            if png is None:
+                parts.append(f"<p class='missing'>{esc(block[2])}: no data.</p>")
+            else:
+                data = base64.b64encode(png).decode("ascii")
+                parts.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{esc(block[2])}\">"
+                             f"<figcaption>{esc(block[2])}</figcaption></figure>")  # fmt: skip
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ pictures
+
+
+def _require_matplotlib():
+    """matplotlib's Figure and Agg canvas (no pyplot: the caller's backend and figures stay untouched)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            f"the HTML report draws its pictures with matplotlib, which cannot be imported ({e}); "
+            "pip install matplotlib (or pip install 'autoragged[plot]'); the terminal report needs nothing more"
+        ) from e
+    return Figure, FigureCanvasAgg
+
+
+_KIND_COLOURS = {"padded": "tab:blue", "ragged": "tab:orange", "padded_graph": "tab:cyan", "ragged_graph": "tab:red"}
+_CONFIG_COLOURS = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+
+
+def _png(fig, canvas_cls) -> bytes:
+    canvas_cls(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _plain_log_ticks(ax, *axes: str) -> None:
+    """Tick labels 4, 6, 10 rather than 4x10^0 on log axes."""
+    from matplotlib.ticker import FuncFormatter
+
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    for name in axes:
+        axis = getattr(ax, f"{name}axis")
+        axis.set_major_formatter(fmt)
+        axis.set_minor_formatter(fmt)
+
+
+def _decision_map(Figure, decisions: list[Decision]):
+    points = [d for d in decisions if d.stats.batch > 0]
+    if not points:
+        return None
+    step = max(1, len(points) // _MAX_MAP_POINTS)
+    groups: dict[str, list[Decision]] = defaultdict(list)
+    for d in points[::step]:
+        groups["padded (forced)" if _forced(d) and _is_padded(d.arm) else _label(d)].append(d)
+    colours = {"padded": "tab:blue", "padded (forced)": "tab:gray", "padded_graph": "tab:cyan"}
+    others = sorted(g for g in groups if g not in colours)
+    colours.update({g: _CONFIG_COLOURS[i % len(_CONFIG_COLOURS)] for i, g in enumerate(others)})
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for label in [g for g in colours if g in groups and g not in others] + others:
+        ds = groups[label]
+        ax.scatter([d.stats.mean for d in ds], [d.stats.pad_fraction for d in ds], s=14, alpha=0.7,
+                   color=colours[label], label=f"{label} ({len(ds)})")  # fmt: skip
+    means = [d.stats.mean for d in points]
+    if min(means) > 0 and max(means) / min(means) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("mean length (tokens)")
+    ax.set_ylabel("padding fraction")
+    ax.set_ylim(-0.02, 1.02)
+    sub = f" (every {step}th batch)" if step > 1 else ""
+    ax.set_title(f"arm chosen per batch{sub}")
+    ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def _predicted_vs_measured(Figure, decisions: list[Decision]):
+    pairs = [
+        (d.predicted_ms[_label(d)], d.measured_ms, d.arm)
+        for d in decisions
+        if d.measured_ms is not None and d.measured_ms > 0 and d.predicted_ms.get(_label(d), 0) > 0
+    ]
+    if not pairs:
+        return None
+    fig = Figure(figsize=(5.5, 5))
+    ax = fig.add_subplot()
+    for kind in sorted({p[2] for p in pairs}):
+        xs, ys = zip(*[(p, m) for p, m, k in pairs if k == kind])
+        ax.scatter(xs, ys, s=16, alpha=0.7, color=_KIND_COLOURS.get(kind, "tab:gray"), label=f"{kind} ({len(xs)})")
+    lo = min(min(p, m) for p, m, _ in pairs) / 1.3
+    hi = max(max(p, m) for p, m, _ in pairs) * 1.3
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, linestyle="--", label="y = x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax, "x", "y")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted latency (ms)")
+    ax.set_ylabel("measured latency (ms)")
+    ax.set_title("chosen arm: predicted vs measured")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _latency_points(rec: _Records, device: str) -> dict[str, list[tuple[int, float, str, str]]]:
+    """signature -> (batch, ms, arm kind, source): sampled decisions and tune measurements (runtime
+    measurements are the sampled decisions again, so they are left out)."""
+    out: dict[str, list[tuple[int, float, str, str]]] = defaultdict(list)
+    for d in rec.decisions:
+        if d.device == device and d.measured_ms is not None and d.measured_ms > 0 and d.stats.batch > 0:
+            out[d.signature].append((d.stats.batch, d.measured_ms, d.arm, "sampled"))
+    for m in rec.measurements:
+        if m.device == device and m.source != "runtime" and m.median_ms > 0 and m.stats.batch > 0:
+            out[m.signature].append((m.stats.batch, m.median_ms, m.arm, m.source or "tune"))
+    return out
+
+
+def _latency_by_batch(Figure, points: dict[str, list[tuple[int, float, str, str]]]):
+    if not points:
+        return None
+    sigs = sorted(points, key=lambda s: -len(points[s]))
+    cols = min(len(sigs), 2)
+    rows = math.ceil(len(sigs) / cols)
+    fig = Figure(figsize=(6 * cols, 4 * rows))
+    for i, sig in enumerate(sigs):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for kind in sorted({p[2] for p in points[sig]}):
+            colour = _KIND_COLOURS.get(kind, "tab:gray")
+            for source, marker in (("sampled", "o"), ("tune", ".")):
+                xs = [(b, ms) for b, ms, k, src in points[sig] if k == kind and (src == "sampled") is (marker == "o")]
+                if xs:
+                    ax.scatter(*zip(*xs), s=18 if marker == "o" else 10, marker=marker, alpha=0.5, color=colour,
+                               label=f"{kind}, {source} ({len(xs)})")  # fmt: skip
+            by_batch: dict[int, list[float]] = defaultdict(list)
+            for b, ms, k, _ in points[sig]:
+                if k == kind:
+                    by_batch[b].append(ms)
+            xs = sorted(by_batch)
+            ax.plot(xs, [statistics.median(by_batch[b]) for b in xs], color=colour, linewidth=1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        _plain_log_ticks(ax, "x")
+        ax.yaxis.set_major_formatter(plt_fmt := __import__("matplotlib.ticker").ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("latency (ms; line: median)")
+        ax.set_title(sig, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _images(rec: _Records, s: Summary) -> dict[str, bytes]:
+    """The PNGs of the report, keyed like its figure blocks."""
+    Figure, canvas = _require_matplotlib()
+    by_module: dict[tuple[str, str], list[Decision]] = defaultdict(list)
+    for d in rec.decisions:
+        by_module[(d.device, d.signature)].append(d)
+    figures = {}
+    for dev in s.devices:
+        figures[f"lat|{dev.key}"] = _latency_by_batch(Figure, _latency_points(rec, dev.key))
+        for m in dev.modules:
+            decisions = by_module[(m.device, m.signature)]
+            figures[f"map|{m.device}|{m.signature}"] = _decision_map(Figure, decisions)
+            figures[f"pvm|{m.device}|{m.signature}"] = _predicted_vs_measured(Figure, decisions)
+    return {key: _png(fig, canvas) for key, fig in figures.items() if fig is not None}
+
+
+def _write_html(rec: _Records, s: Summary, path: str | os.PathLike[str]) -> Path:
+    out = Path(path).expanduser()
+    page = render_html(s, _images(rec, s))
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+def write_html(
+    path: str | os.PathLike[str],
+    db: TuningDB | str | os.PathLike[str] | None = None,
+    *,
+    device: str | DeviceKey | None = None,
+    since: Any = None,
+) -> Summary:
+    """Write the report as one self-contained HTML file (tables and base64 PNGs) and return its Summary.
+    Needs matplotlib (ImportError naming `pip install matplotlib` otherwise); arguments as in `summary`."""
+    _require_matplotlib()
+    rec = _read(db, device, since)
+    s = _summarize(rec)
+    _write_html(rec, s, path)
+    return s
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m autoragged.report",
+        description="Report what the autoragged runtime decided per wrapped module (arms, configs, fallback "
+        "reasons), predicted vs measured latency, estimated time saved and measured regret, and each device's "
+        "calibration, from the tuning database.",
+        epilog="examples:\n  python -m autoragged.report                         # all decisions, terminal tables\n"
+        "  python -m autoragged.report --since 2h --device H100   # the last two hours on the H100\n"
+        "  python -m autoragged.report --since 2026-01-31 --html report.html   # + pictures (needs matplotlib)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
+    p.add_argument("--device", metavar="KEY", help="only this device: its key, or a unique substring of it")
+    p.add_argument("--since", metavar="TIME", type=_since_arg, help="only decisions and measurements from TIME on: "
+                   "an ISO date/datetime (2026-01-31, 2026-01-31T14:30) or an age (30m, 2h, 7d)")  # fmt: skip
+    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report with pictures")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 report printed (or nothing recorded yet), 1 no database file / HTML not writable,
+    2 usage error, unreadable database, or matplotlib missing for --html."""
+    from .tune import _setup_logging  # the same handler as the tuner's (replaced, not stacked)
+
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    if args.html:
+        try:
+            _require_matplotlib()
+        except ImportError as e:
+            log.error("--html: %s", e)
+            return 2
+    try:
+        with _open_existing(args.db) as db:
+            rec = _load(db, args.device, args.since)
+    except FileNotFoundError as e:
+        log.error("%s", e)
+        return 1
+    except (DatabaseError, ValueError) as e:
+        log.error("%s", e)
+        return 2
+    s = _summarize(rec)
+    if s.empty:
+        print(EMPTY_MESSAGE.format(path=s.path))
+        return 0
+    print(render_text(s), end="")
+    if args.html:
+        try:
+            out = _write_html(rec, s, args.html)
+        except OSError as e:
+            log.error("cannot write the HTML report to %s: %s", args.html, e)
+            return 1
+        log.info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

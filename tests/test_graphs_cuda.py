@@ -1,0 +1,156 @@
+"""CUDA-graph arms (GPU only): replay equals eager, eviction, capture failure, parameter updates, no syncs."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import autoragged  # noqa: E402
+from autoragged import _graphs  # noqa: E402
+from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
+from autoragged._planner import default_ragged_config  # noqa: E402
+from tuning_db import BatchStats  # noqa: E402
+
+D, H = 256, 4
+
+
+def encoder(norm_first=False, batch_first=True):
+    layer = torch.nn.TransformerEncoderLayer(D, H, 512, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
+    return torch.nn.TransformerEncoder(layer, 2).to("cuda", torch.float16).eval()
+
+
+def run(enc, arm, lengths, L=None, batch_first=True, seed=0):
+    torch.manual_seed(seed)
+    L = L or max(lengths)
+    x = torch.randn(len(lengths), L, D, device="cuda", dtype=torch.float16)
+    if not batch_first:
+        x = x.transpose(0, 1).contiguous()
+    mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+    stats = BatchStats.from_lengths(tuple(lengths), padded_len=L)
+    rt = enc._autoragged
+    with torch.inference_mode():
+        return rt._execute(enc, arm, x, x, False, None, mask, None, tuple(lengths), L, stats)
+
+
+def real(y, lengths, batch_first=True):
+    y = y if batch_first else y.transpose(0, 1)
+    return torch.cat([y[i, :n] for i, n in enumerate(lengths)]).float()
+
+
+BATCHES = [[37, 5, 100, 1], [64, 64, 3], [17] * 9, [200, 1, 1, 1, 1, 90]]
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_replay_equals_eager_across_buckets(norm_first, batch_first):
+    enc = autoragged.wrap(encoder(norm_first, batch_first), db=False)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    for i, lengths in enumerate(BATCHES * 2):  # the second pass replays graphs holding the first pass's data
+        eager_r, _ = run(enc, Arm("ragged", cfg), lengths, batch_first=batch_first, seed=i)
+        graph_r, note_r = run(enc, Arm("ragged_graph", cfg), lengths, batch_first=batch_first, seed=i)
+        eager_p, _ = run(enc, PADDED, lengths, batch_first=batch_first, seed=i)
+        graph_p, note_p = run(enc, PADDED_GRAPH, lengths, batch_first=batch_first, seed=i)
+        assert note_r is None and note_p is None, (note_r, note_p)
+        torch.testing.assert_close(
+            real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
+        )
+        torch.testing.assert_close(
+            real(graph_p, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=2e-3, atol=2e-3
+        )
+        torch.testing.assert_close(
+            real(graph_r, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=2e-2, atol=2e-2
+        )
+        for y in (graph_r, graph_p):
+            yb = y if batch_first else y.transpose(0, 1)
+            assert all((yb[j, n:] == 0).all() for j, n in enumerate(lengths)), "pads must be zero"
+    assert len(enc._autoragged.graphs.graphs) >= 4
+
+
+def test_bucket_is_captured_when_it_recurs_and_eviction_keeps_the_cap():
+    enc = autoragged.wrap(encoder(), db=False, graph_cap=2)
+    cfg = default_ragged_config(D // H, 128)
+    _, note = run(enc, Arm("ragged_graph", cfg), [40, 3])
+    assert "first time" in note
+    _, note = run(enc, Arm("ragged_graph", cfg), [40, 3])
+    assert note is None
+    cache = enc._autoragged.graphs
+    for lengths in ([300, 2], [300, 2], [900, 800, 700], [900, 800, 700]):
+        run(enc, Arm("ragged_graph", cfg), lengths)
+    assert len(cache.graphs) == 2
+    first_key = ("ragged", 256, 2, 64, cfg, False)
+    assert first_key not in cache.graphs  # the least recently used went out
+    y, note = run(enc, Arm("ragged_graph", cfg), [40, 3])  # seen before: recaptured at once
+    eager, _ = run(enc, Arm("ragged", cfg), [40, 3])
+    assert note is None
+    torch.testing.assert_close(real(y, [40, 3]), real(eager, [40, 3]), rtol=2e-3, atol=2e-3)
+
+
+def test_capture_failure_runs_eagerly_with_the_reason(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(_graphs, "_warm_and_capture", broken)
+    enc = autoragged.wrap(encoder(), db=False, policy="auto")
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    y, note = run(enc, Arm("ragged_graph", cfg), [50, 7])
+    eager, _ = run(enc, Arm("ragged", cfg), [50, 7])
+    assert "graph capture failed: RuntimeError: operation not permitted" in note
+    torch.testing.assert_close(real(y, [50, 7]), real(eager, [50, 7]), rtol=0, atol=0)
+    _, again = run(enc, Arm("ragged_graph", cfg), [50, 7])
+    assert "failed earlier" in again  # not retried every batch
+
+
+def test_parameter_updates_reach_the_replay():
+    enc = autoragged.wrap(encoder(), db=False)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    arm = Arm("ragged_graph", cfg)
+    before, _ = run(enc, arm, [30, 12])
+    with torch.no_grad():
+        enc.layers[1].linear2.bias.add_(0.5)  # in place: same storage, the graph reads it
+    after, note = run(enc, arm, [30, 12])
+    eager, _ = run(enc, Arm("ragged", cfg), [30, 12])
+    assert note is None and not torch.allclose(before, after)
+    torch.testing.assert_close(real(after, [30, 12]), real(eager, [30, 12]), rtol=2e-3, atol=2e-3)
+    with torch.no_grad():
+        enc.layers[0].linear1.weight = torch.nn.Parameter(enc.layers[0].linear1.weight * 2)  # new storage
+    replaced, _ = run(enc, arm, [30, 12])
+    eager, _ = run(enc, Arm("ragged", cfg), [30, 12])
+    torch.testing.assert_close(real(replaced, [30, 12]), real(eager, [30, 12]), rtol=2e-3, atol=2e-3)
+
+
+def test_replay_with_host_lengths_never_syncs():
+    enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    x = torch.randn(3, 80, D, device="cuda", dtype=torch.float16)
+    for arm in (Arm("ragged_graph", cfg), PADDED_GRAPH):
+        stats = BatchStats.from_lengths((80, 9, 33))
+        with torch.inference_mode():
+            enc._autoragged._execute(enc, arm, x, x, False, None, None, None, (80, 9, 33), 80, stats)  # capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                out, note = enc._autoragged._execute(enc, arm, x, x, False, None, None, None, (80, 9, 33), 80, stats)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert note is None and out.shape == x.shape
+
+
+def test_wrapped_auto_model_uses_graphs_and_stays_right():
+    enc = encoder()
+    x = torch.randn(8, 64, D, device="cuda", dtype=torch.float16)
+    lengths = [64, 3, 17, 40, 9, 1, 33, 20]
+    mask = torch.arange(64, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+    with torch.inference_mode():
+        ref = enc(x, src_key_padding_mask=mask)
+        autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+        outs = [enc(x, lengths=lengths) for _ in range(4)]
+    arms = {d.arm for d in autoragged.recent_decisions(enc, 4)}
+    for y in outs:
+        torch.testing.assert_close(real(y, lengths), real(ref, lengths), rtol=2e-2, atol=2e-2)
+    assert arms  # which arm won is the planner's business; every one of them must be right
