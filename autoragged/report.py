@@ -626,7 +626,9 @@ def _saved_rows(s: TimeSaved) -> list[tuple]:
 
 def _checks_rows(m: ModuleSummary) -> list[tuple]:
     r = m.regret
-    mape = "no sampled batch with a prediction" if m.mape is None else f"MAPE {_pct(m.mape)} over {m.mape_batches}"
+    mape = f"MAPE {_pct(m.mape)} over {_count_of(m.mape_batches, 'batch')}"
+    if m.mape is None:
+        mape = "no sampled batch with a prediction"
     if r.mean is None:
         regret = f"not measurable: {r.evaluated_buckets} of {r.buckets} buckets have several arms measured"
     else:
@@ -637,7 +639,7 @@ def _checks_rows(m: ModuleSummary) -> list[tuple]:
     if r.exploring:
         regret += f"; {_count_of(r.exploring, 'exploration batch')} left out"
     return [
-        ("sampled batches (measured)", str(m.sampled)),
+        ("sampled batches", str(m.sampled)),
         ("predicted vs measured latency", mape),
         ("regret on sampled batches", regret),
     ]
@@ -656,7 +658,7 @@ def _module_blocks(m: ModuleSummary) -> list[tuple]:
     if m.decided_by:
         rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.decided_by.items()]
         blocks.append(("table", ["decided by", "batches", "share"], rows))
-    blocks.append(("table", ["measured check", "value"], _checks_rows(m)))
+    blocks.append(("table", ["measured on sampled batches", "value"], _checks_rows(m)))
     s = m.saved
     title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
     blocks.append(("table", [title, "ms", "%"], _saved_rows(s)))
@@ -768,14 +770,16 @@ def _png(fig, canvas_cls) -> bytes:
 
 
 def _plain_log_ticks(ax, *axes: str) -> None:
-    """Tick labels 4, 6, 10 rather than 4x10^0 on log axes."""
-    from matplotlib.ticker import FuncFormatter
+    """Tick labels 4, 6, 10 rather than 4x10^0 on log axes (minor ones only on an axis spanning < 10x).
+    Call after the data and limits are set."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
     for name in axes:
+        lo, hi = getattr(ax, f"get_{name}lim")()
         axis = getattr(ax, f"{name}axis")
-        axis.set_major_formatter(fmt)
-        axis.set_minor_formatter(fmt)
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain if 0 < lo and hi < 10 * lo else NullFormatter())
 
 
 def _decision_map(Figure, decisions: list[Decision]):
@@ -825,9 +829,9 @@ def _predicted_vs_measured(Figure, decisions: list[Decision]):
     ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, linestyle="--", label="y = x")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    _plain_log_ticks(ax, "x", "y")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
+    _plain_log_ticks(ax, "x", "y")
     ax.set_xlabel("predicted latency (ms)")
     ax.set_ylabel("measured latency (ms)")
     ax.set_title("chosen arm: predicted vs measured")
@@ -872,12 +876,11 @@ def _latency_by_batch(Figure, points: dict[str, list[tuple[int, float, str, str]
             ax.plot(xs, [statistics.median(by_batch[b]) for b in xs], color=colour, linewidth=1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        _plain_log_ticks(ax, "x")
-        ax.yaxis.set_major_formatter(plt_fmt := __import__("matplotlib.ticker").ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("batch size")
         ax.set_ylabel("latency (ms; line: median)")
         ax.set_title(sig, fontsize=9)
         ax.legend(fontsize=7)
+        _plain_log_ticks(ax, "x", "y")
     fig.tight_layout()
     return fig
 
@@ -927,9 +930,9 @@ def write_html(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m autoragged.report",
-        description="Report what the autoragged runtime decided per wrapped module (arms, configs, fallback "
-        "reasons), predicted vs measured latency, estimated time saved and measured regret, and each device's "
-        "calibration, from the tuning database.",
+        description="What the autoragged runtime decided and whether it was right, from the tuning database:\n"
+        "per wrapped module the arms and kernel configs chosen, why batches fell back to padded, predicted vs\n"
+        "measured latency, estimated time saved and measured regret; per device the calibration.",
         epilog="examples:\n  python -m autoragged.report                         # all decisions, terminal tables\n"
         "  python -m autoragged.report --since 2h --device H100   # the last two hours on the H100\n"
         "  python -m autoragged.report --since 2026-01-31 --html report.html   # + pictures (needs matplotlib)",

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch plan (a rerun with it resumes)")
+    p.add_argument("--max-batches", type=int, metavar="N", help="stop after measuring N batches (and the budget)")
     p.add_argument("--trials", type=int, help="optuna configs tried per batch (default 2 on GPU, 0 on CPU)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every batch")
     return p
@@ -264,7 +265,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     try:
         for i, slot, family, batch, max_len, item_seed in _plan(names, args.quick, on_gpu, args.seed):
             elapsed = time.monotonic() - start
-            if elapsed >= budget_s:
+            if elapsed >= budget_s or (args.max_batches is not None and measured >= args.max_batches):
                 break
             item = str(i)
             if item in done:

@@ -74,7 +74,7 @@ def _run_tune(tmp_path, *args):
 def tuned(tmp_path_factory):
     """One short CPU calibration shared by the tests below."""
     path = tmp_path_factory.mktemp("tuned")
-    assert _run_tune(path, "--budget", "0.06", "--seed", "3") == 0
+    assert _run_tune(path, "--budget", "5", "--max-batches", "40", "--seed", "3") == 0
     return path
 
 
@@ -84,7 +84,7 @@ def test_tune_measures_fits_and_stores_a_model(tuned):
         rows = db.measurements(device=key)
         model = db.latest_model(key, feature_version=FEATURE_VERSION)
         assert db.devices() and db.devices()[0].key == key
-    assert len(rows) >= 40 and {r.arm for r in rows} == {"padded", "ragged"}
+    assert len(rows) == 80 and {r.arm for r in rows} == {"padded", "ragged"}
     assert {r.distribution for r in rows} >= {"cora_beta", "lognormal"}
     assert all(r.extra["batch_id"] for r in rows)
     assert model is not None and model.kind == _model.KIND
@@ -143,7 +143,7 @@ def test_rerun_resumes_the_plan_and_interrupt_keeps_the_db_consistent(tmp_path, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tune, "_measure_item", flaky)
-    assert _run_tune(tmp_path, "--budget", "1") == 130
+    assert _run_tune(tmp_path, "--budget", "5") == 130
     plan_items = lambda db: db.done_items(device_key("cpu").key, next(iter(_plans(db))))
     with TuningDB.open(tmp_path / "t.sqlite") as db:
         done = plan_items(db)
@@ -151,7 +151,7 @@ def test_rerun_resumes_the_plan_and_interrupt_keeps_the_db_consistent(tmp_path, 
         assert len(db.measurements()) == 5 * 2  # padded + default ragged per batch, nothing half-written
         assert db.latest_model(device_key("cpu").key) is None  # interrupted: no fit
     monkeypatch.setattr(tune, "_measure_item", real)
-    assert _run_tune(tmp_path, "--budget", "0.02") == 0
+    assert _run_tune(tmp_path, "--budget", "5", "--max-batches", "25") == 0
     with TuningDB.open(tmp_path / "t.sqlite") as db:
         again = plan_items(db)
         ids = [m.extra["batch_id"] for m in db.measurements()]
@@ -173,7 +173,7 @@ def test_user_model_factory(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert _run_tune(tmp_path, "--model", "my_models:make", "--budget", "0.03") == 0
+    assert _run_tune(tmp_path, "--model", "my_models:make", "--budget", "5", "--max-batches", "15") == 0
     with TuningDB.open(tmp_path / "t.sqlite") as db:
         sigs = {m.signature for m in db.measurements()}
     assert sigs == {"encoder:1x64/2h/ff64:relu:post:float32:nested"}

@@ -1,0 +1,385 @@
+"""`python -m autoragged.report` and `autoragged.report.summary()`: the numbers over a database filled by a
+real (CPU) run of a wrapped model plus hand-made decisions with known predictions and latencies, the
+terminal tables, the HTML page, and the error paths (missing, empty, corrupt file; bad filters)."""
+
+import base64
+import datetime as dt
+import re
+import statistics
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autoragged
+from autoragged import report
+from autoragged._costmodel import FEATURE_VERSION
+from kernels._config import KernelConfig
+from tuning_db import BatchStats, Decision, DeviceKey, Measurement, TuningDB
+
+H100 = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.6.0", "3.2.0")
+CORA = "encoder:6x512/8h/ff2048:relu:post:float16:nested"
+OLD_SIG = "encoder_layer:1x256/4h/ff1024:gelu:pre:bfloat16"  # only a decision from ten days ago
+CFG_A = KernelConfig(block_m=64, block_n=64, backend="cublas").to_dict()
+CFG_B = KernelConfig(block_m=128, block_n=32).to_dict()
+LA, LB = "ragged:m64n64k64w4s2a1-cublas", "ragged:m128n32k64w4s2a1"
+S1 = BatchStats.from_lengths((100, 80, 60, 40) * 8)
+S2 = BatchStats.from_lengths((200,) * 16 + (20,) * 16)  # another planner bucket
+HOOKS = "forward hooks on submodules"
+ATTN = "attn_mask other than key padding (pass is_causal=True with a causal mask)"
+EXPLORING = f"exploring (the planner chose {LA})"
+REAL_FORWARDS = 23  # _real_run below: 14 with lengths=, 4 with a mask, 3 hooked, 2 with an attn mask
+
+
+def _hand_made(now):
+    """(decisions, expected numbers) for CORA on the H100: every number below is worked out by hand."""
+    p = {"padded": 10.0, LA: 6.0, LB: 7.0}
+
+    def d(arm, config, predicted, reason="cost model (gbt-arrays)", measured=None, stats=S1):
+        return Decision(now - 600, H100.key, CORA, stats, arm, config, predicted, reason, measured)
+
+    decisions = [
+        d("ragged", CFG_A, p, measured=6.6),
+        d("ragged", CFG_A, p, measured=7.4),
+        # graph-replayed arms are predicted too on CUDA; they are no "always padded/ragged" baseline
+        d(
+            "padded",
+            None,
+            {"padded": 5.0, LA: 6.0, LB: 5.5, "padded_graph": 5.2, "ragged_graph:" + LA[7:]: 5.3},
+            measured=5.0,
+        ),
+        d("ragged", CFG_B, p, reason=EXPLORING, measured=8.0),
+        d("padded", None, {}, reason=ATTN),  # a fallback: forced, nothing predicted
+        d("padded", None, {"padded": 4.0, LA: 4.8}, measured=5.0, stats=S2),
+        # forced ragged: not a padded fallback; sampled, but no planner choice, so not in the regret's buckets
+        d("ragged", CFG_A, {}, reason="policy=ragged", measured=4.0, stats=S2),
+    ]
+    chosen, padded, ragged = 6 + 6 + 5 + 7 + 4, 10 + 10 + 5 + 10 + 4, 6 + 6 + 5.5 + 6 + 4.8
+    expected = {
+        "mape": statistics.fmean([0.6 / 6.6, 1.4 / 7.4, 0.0, 1.0 / 8.0, 1.0 / 5.0]),
+        "saved_batches": 5,
+        "vs_padded_ms": padded - chosen,  # 11 ms of 39
+        "vs_padded_pct": 100 * (padded - chosen) / padded,
+        "vs_ragged_ms": ragged - chosen,  # 0.3 ms of 28.3
+        "vs_ragged_pct": 100 * (ragged - chosen) / ragged,
+        # bucket S1 means: LA (6.6 + 7.4) / 2 = 7, padded 5, LB 8 (exploring: in the means, not in the regret)
+        "regret": [7 / 5 - 1, 7 / 5 - 1, 0.0],
+    }
+    return decisions, expected
+
+
+def _measurement(now, arm, config, batch, ms, source="tune", age_s=60):
+    stats = BatchStats.from_lengths(tuple(range(8, 8 + batch)))
+    return Measurement(H100.key, CORA, arm, config, stats, ms, ms * 0.9, ms * 1.1, 5, now - age_s, source=source)
+
+
+def _real_run(path):
+    """A wrapped PyTorch encoder run on CPU, as a user would: decisions recorded by the runtime itself."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 2, 64, batch_first=True, dropout=0.0)
+    model = autoragged.wrap(nn.TransformerEncoder(layer, 2).eval(), db=path)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(pad=0):
+        lengths = torch.randint(1, 40, (4,), generator=gen).tolist()
+        L = max(lengths) + pad
+        mask = torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None]
+        return torch.randn(4, L, 64, generator=gen), lengths, mask
+
+    with torch.no_grad():
+        for i in range(14):
+            x, lengths, _ = batch(pad=i % 3)
+            if i % 3 == 0:  # one long sequence among short ones: the CPU prior picks the ragged arm
+                x, lengths = torch.randn(4, 96 + i, 64, generator=gen), [96 + i, 2, 3, 1]
+            model(x, lengths=lengths)
+        for _ in range(4):
+            x, _, mask = batch(pad=2)
+            model(x, src_key_padding_mask=mask)
+        hook = model.layers[0].linear1.register_forward_hook(lambda *args: None)
+        for _ in range(3):
+            x, lengths, _ = batch()
+            model(x, lengths=lengths)
+        hook.remove()
+        for _ in range(2):
+            x, _, mask = batch()
+            L = x.shape[1]
+            model(x, mask=torch.zeros(L, L, dtype=torch.bool), src_key_padding_mask=mask)
+    autoragged.unwrap(model)  # flushes the recorder
+    return model
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """One database with a real CPU run, hand-made H100 decisions, measurements and two cost models.
+    Returns (path, the CPU device key, the hand-made expectations). Tests copy it before writing."""
+    from autoragged import _ragged, ops
+
+    path = tmp_path_factory.mktemp("report") / "tuning.sqlite"
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.setattr(ops, "use_triton", lambda t: False)  # the CPU reference path: the interpreter is far too slow
+        mp.setattr(_ragged, "use_triton", lambda t: False)
+        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors", UserWarning)  # PyTorch's own path
+        # one thread: these tiny forwards took 200 ms instead of 1 ms when another process kept the cores busy
+        torch.set_num_threads(1)
+        try:
+            _real_run(path)
+        finally:
+            torch.set_num_threads(threads)
+    now = time.time()
+    decisions, expected = _hand_made(now)
+    old = Decision(
+        now - 10 * 86400, H100.key, OLD_SIG, S1, "padded", None, {"padded": 1.0, LA: 2.0}, "cost model (prior)"
+    )
+    with TuningDB.open(path) as db:
+        db.register_device(H100)
+        db.add_decisions([*decisions, old])
+        db.add_measurements(
+            [_measurement(now, "padded", None, b, 0.1 * b) for b in (8, 32, 128)]
+            + [_measurement(now, "ragged", CFG_A, b, 0.07 * b) for b in (8, 32, 128)]
+            + [_measurement(now, "ragged", CFG_A, 32, 6.6, source="runtime")]
+            + [_measurement(now, "padded", None, 16, 1.0, age_s=10 * 86400)]
+        )
+        metrics = dict(accuracy=0.9, mean_regret=0.0123, p95_regret=0.05, mape=0.08, rows=480,
+                       holdout="leave one length family out", batches=40)  # fmt: skip
+        db.save_model(device=H100, feature_version=FEATURE_VERSION - 1, kind="gbt-arrays", payload={}, metrics={})
+        db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={}, metrics=metrics)
+        cpu = next(d.key for d in db.devices() if d.capability == "cpu")
+    return path, cpu, expected
+
+
+def _module(summary, device, signature):
+    dev = next(d for d in summary.devices if d.key == device)
+    return next(m for m in dev.modules if m.signature == signature)
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def test_real_run_is_reported_as_it_happened(filled):
+    path, cpu, _ = filled
+    s = report.summary(path)
+    dev = next(d for d in s.devices if d.key == cpu)
+    assert dev.calibration is None and dev.decisions == REAL_FORWARDS
+    (m,) = dev.modules
+    assert m.signature.startswith("encoder:2x64/2h/ff64:relu:post:float32")
+    assert m.batches == REAL_FORWARDS
+    assert sum(sh.batches for sh in m.arms) == sum(sh.batches for sh in m.configs) == REAL_FORWARDS
+    assert sum(sh.share for sh in m.arms) == pytest.approx(1) and sum(sh.share for sh in m.configs) == pytest.approx(1)
+    assert {sh.label for sh in m.arms} == {"padded", "ragged"}
+    assert {sh.label.split(":")[0] for sh in m.configs} == {"padded", "ragged"}
+    assert m.fallback_reasons == {HOOKS: 3, ATTN: 2}
+    assert sum(m.decided_by.values()) == REAL_FORWARDS - 5
+    assert all(reason.startswith("cost model") for reason in m.decided_by)
+    # every planner decision predicted padded and a ragged config, so every one has a time-saved estimate
+    assert m.saved.batches == REAL_FORWARDS - 5 and m.saved.vs_padded_ms >= 0 and m.saved.vs_ragged_ms >= 0
+    assert m.sampled == 0 and m.mape is None and m.regret.batches == 0  # CPU batches are never timed
+
+
+def test_hand_made_numbers(filled):
+    path, _, e = filled
+    s = report.summary(path)
+    m = _module(s, H100.key, CORA)
+    assert m.batches == 7 and m.sampled == 6
+    assert [(sh.label, sh.batches) for sh in m.arms] == [("ragged", 4), ("padded", 3)]
+    assert {sh.label: sh.batches for sh in m.configs} == {LA: 3, "padded": 3, LB: 1}
+    assert m.fallback_reasons == {ATTN: 1}
+    assert m.decided_by == {"cost model (gbt-arrays)": 4, EXPLORING: 1, "policy=ragged": 1}
+    assert m.mape == pytest.approx(e["mape"]) and m.mape_batches == 5
+    assert m.saved.batches == e["saved_batches"]
+    assert m.saved.vs_padded_ms == pytest.approx(e["vs_padded_ms"])
+    assert m.saved.vs_padded_pct == pytest.approx(e["vs_padded_pct"])
+    assert m.saved.vs_ragged_ms == pytest.approx(e["vs_ragged_ms"])
+    assert m.saved.vs_ragged_pct == pytest.approx(e["vs_ragged_pct"])
+    r = m.regret
+    assert (r.buckets, r.evaluated_buckets, r.batches, r.exploring) == (2, 1, 3, 1)
+    assert r.mean == pytest.approx(statistics.fmean(e["regret"])) and r.max == pytest.approx(0.4)
+
+
+def test_device_calibration_and_measurements(filled):
+    s = report.summary(filled[0])
+    dev = next(d for d in s.devices if d.key == H100.key)
+    assert dev.name == H100.name and dev.models == 2
+    assert dev.measurements == 8 and dev.measurements_by_source == {"tune": 7, "runtime": 1}
+    c = dev.calibration
+    assert c.current and c.feature_version == FEATURE_VERSION and c.created > time.time() - 600
+    assert (c.accuracy, c.mean_regret, c.p95_regret, c.mape, c.rows) == (0.9, 0.0123, 0.05, 0.08, 480)
+    assert c.holdout == "leave one length family out"
+    assert s.decisions == REAL_FORWARDS + 8 and s.counts["models"] == 2
+
+
+def test_terminal_report_prints_the_numbers(filled, capsys):
+    _, cpu, e = filled
+    assert report.main(["--db", str(filled[0])]) == 0
+    out = capsys.readouterr().out
+    assert f"## device {H100.key}" in out and f"## device {cpu}" in out and f"### module {CORA}" in out
+    assert f"{REAL_FORWARDS} batches from" in out
+    assert re.search(rf"\| {re.escape(HOOKS)} +\| +3 \|", out)
+    assert re.search(rf"\| {re.escape(ATTN)} +\| +2 \|", out)  # the real run's
+    assert re.search(rf"\| {re.escape(LA)} +\| +3 \| +42\.9% \|", out)
+    assert f"{e['vs_padded_ms']:.3f} ms" in out and f"{e['vs_padded_pct']:+.1f}% of 39.000 ms" in out
+    assert f"{e['vs_ragged_ms']:.3f} ms" in out and f"{e['vs_ragged_pct']:+.1f}% of 28.300 ms" in out
+    assert "ESTIMATE" in out and "cost-model estimate" in out
+    assert f"MAPE {100 * e['mape']:.1f}% over 5 batches" in out
+    assert "mean 26.67% (max 40.00%) over 3 batches; 1 of 2 buckets" in out and "1 exploration batch left out" in out
+    assert re.search(r"\| decision accuracy \(held out\) +\| 90\.0% +\|", out)
+    assert "| mean regret (held out)" in out and "1.23%" in out and "leave one length family out" in out
+    assert "measurements: 8 (tune 7, runtime 1)" in out
+    assert "Not calibrated" in out  # the CPU device
+
+
+# ------------------------------------------------------------------------------------------ filters
+
+
+def test_since_narrows_decisions_and_measurements(filled, capsys):
+    path = filled[0]
+    everything = report.summary(path)
+    assert any(m.signature == OLD_SIG for d in everything.devices for m in d.modules)
+    yesterday = (dt.date.today() - dt.timedelta(days=1)).isoformat()
+    for since in ("7d", yesterday, dt.timedelta(hours=2)):
+        s = report.summary(path, since=since)
+        assert s.decisions == REAL_FORWARDS + 7, since
+        dev = next(d for d in s.devices if d.key == H100.key)
+        assert [m.signature for m in dev.modules] == [CORA] and dev.measurements == 7
+        assert dev.calibration is not None  # the calibration in effect is shown whatever the window
+    assert report.summary(path, since="5m").decisions == REAL_FORWARDS  # the hand-made ones are 10 minutes old
+    assert report.main(["--db", str(path), "--since", "7d"]) == 0
+    out = capsys.readouterr().out
+    assert f"module {CORA}" in out and OLD_SIG not in out
+
+
+def test_parse_since_forms():
+    now = 1_800_000_000.0
+    assert report.parse_since("30m", now=now) == now - 1800
+    assert report.parse_since("2h", now=now) == now - 7200
+    assert report.parse_since("7d", now=now) == now - 7 * 86400
+    assert report.parse_since("1.5w", now=now) == now - 1.5 * 604800
+    assert report.parse_since("2026-01-31") == dt.datetime(2026, 1, 31).timestamp()
+    assert (
+        report.parse_since("2026-01-31T14:30:00Z")
+        == dt.datetime(2026, 1, 31, 14, 30, tzinfo=dt.timezone.utc).timestamp()
+    )
+    assert report.parse_since(12.5) == 12.5 and report.parse_since(None) is None
+    for bad in ("yesterday", "-2h", "7 days", "", True):
+        with pytest.raises(ValueError, match="30m, 2h, 7d"):
+            report.parse_since(bad)
+
+
+def test_bad_since_is_an_argparse_error(filled, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--db", str(filled[0]), "--since", "last tuesday"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--since" in err and "'last tuesday'" in err and "ISO date" in err and "30m, 2h, 7d" in err
+
+
+def test_device_filter(filled, capsys):
+    path, cpu, _ = filled
+    s = report.summary(path, device="h100")  # a unique substring, any case
+    assert [d.key for d in s.devices] == [H100.key] and s.device == H100.key
+    assert s.decisions == 8 and all(m.device == H100.key for d in s.devices for m in d.modules)
+    assert [d.key for d in report.summary(path, device=cpu).devices] == [cpu]  # the exact key
+    with pytest.raises(ValueError, match="matches 2 devices"):
+        report.summary(path, device="|")
+    assert report.main(["--db", str(path), "--device", "TPU"]) == 2
+    err = capsys.readouterr().err
+    assert "no device" in err and "'TPU'" in err and H100.key in err and cpu in err and "Traceback" not in err
+    assert report.main(["--db", str(path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"device {cpu}" in out and H100.key not in out.replace(f"device {cpu}", "")
+
+
+def test_unregistered_device_can_be_selected(tmp_path):
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:  # a row written by hand: its device was never registered
+        db.add_decisions([Decision(time.time(), "my-gpu|cc8.0", CORA, S1, "padded", None, {"padded": 1.0}, "x")])
+    s = report.summary(path, device="my-gpu")
+    assert [d.key for d in s.devices] == ["my-gpu|cc8.0"] and s.devices[0].name is None
+
+
+# ------------------------------------------------------------------------------------------ HTML
+
+
+def test_html_report_is_self_contained_with_pictures(filled, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "report.html"
+    assert report.main(["--db", str(filled[0]), "--html", str(out)]) == 0
+    page = out.read_text()
+    images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) >= 4  # decision maps (3 modules), predicted vs measured, latency by batch size
+    assert all(base64.b64decode(img).startswith(b"\x89PNG\r\n\x1a\n") for img in images)
+    assert page.count("<img") == len(images) and "src=" not in re.sub(r'src="data:image/png;base64,', "", page)
+    assert "http://" not in page and "https://" not in page and "<script" not in page and "<link" not in page
+    assert "<h1>autoragged decision report</h1>" in page and f"<h2>device {H100.key}</h2>" in page
+    assert f"<h3>module {CORA}</h3>" in page and "decision map of" in page and "predicted vs measured" in page
+    assert "latency by batch size" in page
+    assert "<td>forward hooks on submodules</td><td>3</td>" in page  # the same tables as the terminal
+    assert "<td>attn_mask other than key padding (pass is_causal=True with a causal mask)</td><td>1</td>" in page
+    assert str(out) in capsys.readouterr().err
+
+
+def test_html_without_matplotlib_fails_clearly(filled, tmp_path, monkeypatch, capsys):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if it were not installed
+    out = tmp_path / "report.html"
+    assert report.main(["--db", str(filled[0]), "--html", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and "Traceback" not in err and not out.exists()
+    assert report.main(["--db", str(filled[0])]) == 0  # the terminal report needs nothing more
+    assert f"module {CORA}" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_empty_database_says_how_to_fill_it(tmp_path, capsys):
+    path = tmp_path / "empty.sqlite"
+    TuningDB.open(path).close()
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == report.EMPTY_MESSAGE.format(path=path)
+    assert "autoragged.wrap(...)" in out and "python -m autoragged.tune" in out
+    assert report.summary(path).empty and not report.summary(path).devices
+
+
+def test_missing_database_is_not_created(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "nowhere" / "tuning.sqlite"
+    assert report.main(["--db", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"no tuning database at {path}" in err and "Traceback" not in err
+    monkeypatch.setenv("AUTORAGGED_DB", str(path))  # the default path: same
+    assert report.main([]) == 1
+    with pytest.raises(FileNotFoundError, match="autoragged.wrap"):
+        report.summary()
+    assert not path.exists() and not path.parent.exists()
+
+
+def test_corrupt_database_gives_the_database_error(tmp_path, capsys):
+    path = tmp_path / "corrupt.sqlite"
+    path.write_bytes(b"this is not a SQLite file at all\n" * 200)
+    assert report.main(["--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a tuning database" in err and str(path) in err and "Traceback" not in err
+
+
+def test_filters_that_match_nothing_say_so(filled, capsys):
+    path, cpu, _ = filled
+    future = str(dt.date.today() + dt.timedelta(days=2))
+    assert report.main(["--db", str(path), "--since", future]) == 0
+    out = capsys.readouterr().out
+    assert "0 decisions" in out and cpu not in out  # the CPU device has nothing in the window
+    assert "No decisions recorded for this device in the window" in out and "90.0%" in out  # the H100's calibration
+    assert report.main(["--db", str(path), "--since", future, "--device", cpu]) == 0
+    out = capsys.readouterr().out
+    assert "No decisions, measurements or cost models match" in out and "## device" not in out
+
+
+def test_help_has_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "python -m autoragged.report --since 2h --device H100" in out
