@@ -335,18 +335,19 @@ class _Runtime:
 
             self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
         if arm.ragged:
-            layout = Layout.make(lens, arm.config.align)
-            if ragged_in and not src.layout.same_as(layout):
-                return None, f"the input's layout (align {src.align}) is not the graph's (align {arm.config.align})"
-            graph, note = self.graphs.ragged(self, module, arm.config, causal, stats, layout.rows, x.dtype, x.device)
+            align = arm.config.align
+            rows = stats.total if align == 1 else Layout.make(lens, align).rows
+            if ragged_in and not src.layout.same_as(Layout.make(lens, align)):
+                return None, f"the input's layout (align {src.align}) is not the graph's (align {align})"
+            io = "values" if ragged_in else "padded"
+            graph, note = self.graphs.ragged(self, module, arm.config, causal, stats, rows, x.dtype, x.device, io)
             if graph is None:
                 return None, note
             with torch.inference_mode():
                 if ragged_in:
-                    return src.with_values(graph.run(None, x, lens, None)), None
-                out = x.new_empty((L, stats.batch, x.shape[-1]) if seq_axis == 0 else (stats.batch, L, x.shape[-1]))
-                graph.run(_batch_major(x, seq_axis), None, lens, _batch_major(out, seq_axis))
-            return out, None
+                    return src.with_values(graph.run_values(x, lens)), None
+                out = graph.run_padded(_batch_major(x, seq_axis), lens)
+                return (out.clone() if seq_axis == 1 else out.transpose(0, 1).contiguous()), None
         if attn_mask is not None:
             return None, "the padded graph takes no attn_mask"
         padded = _to_padded(src, 0.0, L, seq_axis) if ragged_in else x

@@ -3,11 +3,12 @@
 On the short rows of the benchmark of record the GPU work of a batch is tens of microseconds and the
 eager arms spend about a millisecond launching kernels; a replay launches the whole encoder at once.
 
-ragged_graph: the encoder layers run on static values of `rows` bucket rows, with the layout in one
-    static int32 buffer (offsets, lengths, prelude). Per batch: one host->device copy of the layout
-    (through pinned memory, no sync), the pack kernel into the static values, the replay, the unpack
-    into a fresh output. Spare components have length 0; spare attention programs see a grid_mapping
-    of -1 and exit; spare rows are computed by the row-wise kernels and read by nothing.
+ragged_graph: pack, the encoder layers on static values of `rows` bucket rows, and unpack, captured
+    together, with the layout in one static int32 buffer (offsets, lengths, prelude). Per batch: one
+    host->device copy of the layout (through pinned memory, no sync), a copy of the input into the
+    static (batch, max_len) buffer, the replay, a copy of the output: no Triton launch from Python.
+    Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit; spare
+    rows are computed by the row-wise kernels and read by nothing.
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
     mask computed in the graph from static lengths; PyTorch's nested-tensor conversion is off during
     capture (it synchronises, so it cannot be captured). Per batch: copy in, replay, copy out.
@@ -83,10 +84,13 @@ def _params(module) -> list[torch.Tensor]:
 
 
 class _RaggedGraph:
+    """io="padded": pack, layers and unpack in the graph (per call: copy x in, copy the output out);
+    io="values": the layers only, for RaggedTensor inputs (copy values in and out)."""
+
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool):
-        rows, batch, max_len = key[:3]
+        rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         D = runtime.layers[0].self_attn.embed_dim
-        self.config, self.batch, self.rows = config, batch, rows
+        self.config, self.batch, self.rows, self.io = config, batch, rows, io
         self.programs = rows // config.block_m + batch
         self.values = torch.zeros(rows, D, dtype=dtype, device=device)
         meta, _, _ = _host_meta([], config.align, config.block_m, batch, self.programs)
@@ -94,24 +98,40 @@ class _RaggedGraph:
         self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
         from .nn import encoder_values
 
-        run = lambda: encoder_values(runtime.layers, runtime.norm, self.values, self.layout, config, causal)
+        layers = lambda v: encoder_values(runtime.layers, runtime.norm, v, self.layout, config, causal)  # noqa: E731
+        if io == "values":
+            run = lambda: layers(self.values)  # noqa: E731
+        else:
+            extent = -(-max_len // config.align) * config.align
+            self.x = torch.zeros(batch, max_len, D, dtype=dtype, device=device)
+            self.out = torch.empty(batch, max_len, D, dtype=dtype, device=device)
+            lengths = self.layout.lengths
+
+            def run():
+                packed = ragged_pack.pack(self.x, self.layout.offsets, lengths, rows, extent, out=self.values)
+                return ragged_pack.unpack(layers(packed), self.layout.offsets, lengths, self.out, 0.0)
+
         _warm_and_capture(self, run, device, pool)
 
-    def run(self, x_bld: torch.Tensor | None, values: torch.Tensor | None, lengths, out: torch.Tensor | None):
-        """Fill the static inputs from a padded batch (x_bld, batch-major) or ragged values, replay, and
-        unpack into `out` (B, L, D) or return the result rows (values input)."""
-        B = len(lengths)
-        meta, rows, max_extent = _host_meta(lengths, self.config.align, self.config.block_m, self.batch, self.programs)
+    def _load_meta(self, lengths) -> int:
+        meta, rows, _ = _host_meta(lengths, self.config.align, self.config.block_m, self.batch, self.programs)
         self.meta.copy_(torch.from_numpy(meta).pin_memory(), non_blocking=True)
-        offsets, dev_lengths = self.layout.offsets[: B + 1], self.layout.lengths[:B]
-        if values is not None:
-            self.values[:rows].copy_(values)
-        else:
-            ragged_pack.pack(x_bld, offsets, dev_lengths, rows, max_extent, out=self.values)
+        return rows
+
+    def run_padded(self, x_bld: torch.Tensor, lengths) -> torch.Tensor:
+        """x_bld: (B, L, D) batch-major view of the input; returns the (B, L, D) output view (the graph's
+        buffer: copy it before the next replay)."""
+        B, L = x_bld.shape[:2]
+        self._load_meta(lengths)
+        self.x[:B, :L].copy_(x_bld)
         self.graph.replay()
-        if out is None:
-            return self.output[:rows].clone()
-        return ragged_pack.unpack(self.output, offsets, dev_lengths, out, 0.0)
+        return self.output[:B, :L]
+
+    def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
+        rows = self._load_meta(lengths)
+        self.values[:rows].copy_(values)
+        self.graph.replay()
+        return self.output[:rows].clone()
 
 
 class _PaddedGraph:
@@ -213,9 +233,9 @@ class GraphCache:
             self.graphs.popitem(last=False)
         return graph, None
 
-    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device):
+    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):
         self._check_params(module)
-        key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal)
+        key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
         return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
 
     def padded(self, runtime, module, stats, seq_len, dtype, device):

@@ -12,7 +12,7 @@ import torch
 
 from kernels import ragged_pack
 
-from ._backend import use_triton
+from ._backend import host_to_device, use_triton
 from ._layout import Layout, as_lengths, check_align
 
 __all__ = ["RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding"]
@@ -413,7 +413,9 @@ def _moment_weights(L: int, dtype: torch.dtype, device: torch.device) -> torch.T
     key = (L, dtype, device)
     w = _MOMENTS.get(key)
     if w is None:
-        w = torch.stack([torch.ones(L, dtype=dtype), torch.arange(L, dtype=dtype)], dim=1).to(device)
+        w = host_to_device(
+            torch.stack([torch.ones(L, dtype=dtype), torch.arange(L, dtype=dtype)], dim=1).numpy(), device
+        )
         if len(_MOMENTS) > 256:
             _MOMENTS.clear()
         _MOMENTS[key] = w

@@ -20,6 +20,7 @@ Columns
                    bound: a real server cannot capture every batch's exact shape)
   ragged           autoragged forced to the eager ragged arm (policy="ragged")
   auto             autoragged.wrap(model) with the tuning database given by --db / AUTORAGGED_DB
+  auto_lengths     the same wrapped model called with lengths= (host ints) instead of the mask
   oracle           the best of autoragged's arms on each batch (padded, ragged, and their graphs)
   roofline         real-token FLOPs at the measured fp16 matmul rate
 The model gets `src_key_padding_mask` (True = pad), as PyTorch code calls it; `auto` computes lengths
@@ -50,7 +51,16 @@ from autoragged.workloads import CORA, CORA_BATCH_SIZES, CORA_MODEL, sample_cora
 from benchmarks._common import environment, header, matmul_peak_tflops, require_cuda, table, write_json  # noqa: E402
 from tuning_db import BatchStats  # noqa: E402
 
-DEFAULT_COLUMNS = ["padded_nofast", "pytorch_fast", "varlen", "varlen_graph", "ragged", "auto", "oracle"]
+DEFAULT_COLUMNS = [
+    "padded_nofast",
+    "pytorch_fast",
+    "varlen",
+    "varlen_graph",
+    "ragged",
+    "auto",
+    "auto_lengths",
+    "oracle",
+]
 ALL_COLUMNS = DEFAULT_COLUMNS[:2] + ["compile", "compile_ro"] + DEFAULT_COLUMNS[2:]
 
 
@@ -151,6 +161,8 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
         if "auto" in cols:
             out["auto"] = t(lambda: models["auto"](x, src_key_padding_mask=mask))
             chosen = autoragged.recent_decisions(models["auto"], 1)[0].arm
+        if "auto_lengths" in cols:  # the same wrapped model, told the lengths on the host (no device sync)
+            out["auto_lengths"] = t(lambda: models["auto"](x, lengths=lengths))
         if "oracle" in cols:
             stats = BatchStats.from_lengths(tuple(lengths))
             cfg = default_ragged_config(D // CORA_MODEL["heads"], L)
@@ -239,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {"plain": plain, "varlen": VarlenEncoder(plain)}
     if "ragged" in args.columns:
         models["ragged"] = autoragged.wrap(copy.deepcopy(plain), db=False, policy="ragged", sample_every=0)
-    if "auto" in args.columns:
+    if {"auto", "auto_lengths"} & set(args.columns):
         models["auto"] = autoragged.wrap(copy.deepcopy(plain), db=args.db, policy="auto")
     if "oracle" in args.columns:
         models["oracle"] = ArmRunner(copy.deepcopy(plain))

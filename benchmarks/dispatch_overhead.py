@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         autoragged.wrap(model, db=pathlib.Path(tmp) / "overhead.sqlite", sample_every=0)
         runtime = model._autoragged
-        runtime._execute = lambda module, arm, src, *rest: src  # the arms are not what this measures
+        runtime._execute = lambda module, arm, src, *rest: (src, None)  # the arms are not what this measures
         rows = []
         rng = np.random.default_rng(0)
         for batch in (32, 128):

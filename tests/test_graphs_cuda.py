@@ -79,7 +79,7 @@ def test_bucket_is_captured_when_it_recurs_and_eviction_keeps_the_cap():
     for lengths in ([300, 2], [300, 2], [900, 800, 700], [900, 800, 700]):
         run(enc, Arm("ragged_graph", cfg), lengths)
     assert len(cache.graphs) == 2
-    first_key = ("ragged", 256, 2, 64, cfg, False)
+    first_key = ("ragged", 256, 2, 64, cfg, False, "padded")
     assert first_key not in cache.graphs  # the least recently used went out
     y, note = run(enc, Arm("ragged_graph", cfg), [40, 3])  # seen before: recaptured at once
     eager, _ = run(enc, Arm("ragged", cfg), [40, 3])

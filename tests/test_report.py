@@ -144,7 +144,7 @@ def filled(tmp_path_factory):
             + [_measurement(now, "padded", None, 16, 1.0, age_s=10 * 86400)]
         )
         metrics = dict(accuracy=0.9, mean_regret=0.0123, p95_regret=0.05, mape=0.08, rows=480,
-                       holdout="leave one length family out", batches=40)  # fmt: skip
+                       holdout="leave one length family out", batches=40, prior_accuracy=0.625)  # fmt: skip
         db.save_model(device=H100, feature_version=FEATURE_VERSION - 1, kind="gbt-arrays", payload={}, metrics={})
         db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={}, metrics=metrics)
         cpu = next(d.key for d in db.devices() if d.capability == "cpu")
@@ -227,6 +227,8 @@ def test_terminal_report_prints_the_numbers(filled, capsys):
     assert "mean 26.67% (max 40.00%) over 3 batches; 1 of 2 buckets" in out and "1 exploration batch left out" in out
     assert re.search(r"\| decision accuracy \(held out\) +\| 90\.0% +\|", out)
     assert "| mean regret (held out)" in out and "1.23%" in out and "leave one length family out" in out
+    assert re.search(r"\| analytic prior's accuracy \(held out\) +\| 62\.5% +\|", out)
+    assert "analytic prior's mean regret" not in out  # not stored: no row
     assert "measurements: 8 (tune 7, runtime 1)" in out
     assert "Not calibrated" in out  # the CPU device
 
