@@ -61,15 +61,23 @@ def main() -> int:
     cache = GraphCache()
     mask = torch.arange(37, device=dev)[None, :] >= torch.tensor(lengths, device=dev)[:, None]
     meta_static = torch.zeros(2000, dtype=torch.int32, device=dev)
+
+    def attention():
+        return k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=cfg)
+
+    def pinned_meta_copy():
+        host = torch.from_numpy(_host_meta(lengths, 1, 64, 32, 64)[0]).pin_memory()
+        return meta_static.copy_(host, non_blocking=True)
+
     rows = [
         ("Triton add_layer_norm launch", lambda: k_ln.add_layer_norm(x, x, w, w, 1e-5)),
-        ("Triton ragged_attention launch", lambda: k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=cfg)),
+        ("Triton ragged_attention launch", attention),
         ("Triton pack launch", lambda: ragged_pack.pack(padded, offsets, dev_lengths, rt.layout.rows, 31)),
         ("PyTorch add + layer_norm (2 ops)", lambda: F.layer_norm(x + x, (512,), w, w)),
         ("PyTorch F.linear", lambda: F.linear(x, torch.ones(512, 512, device=dev, dtype=torch.float16))),
         ("PyTorch padded encoder layer (eager)", lambda: layer.to(dev, torch.float16).eval()(padded)),
         ("graph metadata on the host (numpy)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
-        ("pinned copy of the metadata", lambda: meta_static.copy_(torch.from_numpy(_host_meta(lengths, 1, 64, 32, 64)[0]).pin_memory(), non_blocking=True)),
+        ("metadata on the host + pinned copy", pinned_meta_copy),
         ("parameter-storage check (6 layers)", lambda: cache._check_params(enc)),
         ("lengths from a CUDA mask (one copy)", lambda: mask_lengths(mask)),
     ]  # fmt: skip
