@@ -299,9 +299,10 @@ class _Runtime:
         graphs = self.graphs_enabled and device.type == "cuda"
 
         def candidates(stats: BatchStats) -> list[Arm]:
-            arms = shortlist(stats) if shortlist else [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
-            if graphs:  # the best-ranked config also as a graph, and the padded forward as one
-                arms = [*arms, Arm("ragged_graph", arms[0].config), PADDED_GRAPH]
+            default = default_ragged_config(head_dim, stats.max_len)
+            arms = shortlist(stats) if shortlist else [Arm("ragged", default)]
+            if graphs:  # both arms replayed as graphs, with the config the tuner measures graphs with
+                arms = [*arms, Arm("ragged_graph", default), PADDED_GRAPH]
             return arms
 
         return Planner(self.sig, model, candidates)

@@ -55,13 +55,19 @@ class _StaticLayout:
         return self.grid_mapping, self.block_offsets
 
 
-def _host_meta(lengths, align: int, block_m: int, batch: int, programs: int) -> tuple[np.ndarray, int, int]:
-    """(int32 metadata laid out as _StaticLayout reads it, rows used, largest extent)."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    ext = (lens + align - 1) // align * align
+def meta_size(batch: int, programs: int) -> int:
+    return 2 * batch + 1 + programs + batch + 1
+
+
+def _host_meta(lengths, align: int, block_m: int, batch: int, programs: int, meta: np.ndarray | None = None):
+    """(int32 metadata laid out as _StaticLayout reads it, written into `meta` if given; rows used;
+    largest extent). Vectorised numpy: about a dozen small calls whatever B is."""
+    B = len(lengths)
+    lens = np.fromiter(lengths, dtype=np.int64, count=B)
+    ext = lens if align == 1 else (lens + align - 1) // align * align
     counts = (lens + block_m - 1) // block_m
-    meta = np.empty(2 * batch + 1 + programs + batch + 1, dtype=np.int32)
-    B = len(lens)
+    if meta is None:
+        meta = np.empty(meta_size(batch, programs), dtype=np.int32)
     offsets = meta[: batch + 1]
     offsets[0] = 0
     np.cumsum(ext, out=offsets[1 : B + 1])
@@ -79,8 +85,41 @@ def _host_meta(lengths, align: int, block_m: int, batch: int, programs: int) -> 
     return meta, int(offsets[B]), int(ext.max(initial=0))
 
 
-def _params(module) -> list[torch.Tensor]:
-    return [p for p in module.parameters()]
+class _PinnedRing:
+    """A few pinned host buffers used in turn for host->device copies of per-batch metadata: no pinning
+    per call, and a slot is reused only once the copy that last read it has completed (its event)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, slots: int = 4):
+        self.buffers = [torch.empty(size, dtype=dtype).pin_memory() for _ in range(slots)]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.used = [False] * slots
+        self.slot = 0
+
+    def next(self) -> int:
+        self.slot = (self.slot + 1) % len(self.buffers)
+        if self.used[self.slot]:
+            self.events[self.slot].synchronize()  # only waits for that copy, which is long done in practice
+        return self.slot
+
+    def copy_to(self, slot: int, dst: torch.Tensor) -> None:
+        dst.copy_(self.buffers[slot][: dst.numel()], non_blocking=True)
+        self.events[slot].record()
+        self.used[slot] = True
+
+
+# Parameters re-registered anywhere (module.weight = Parameter(...), load_state_dict(assign=True)) bump
+# this epoch; a GraphCache then re-lists its module's parameters (slow) before checking their storage
+# (fast), which also catches storage swapped under an existing Parameter (`.data = ...`, `.to()`).
+_PARAM_EPOCH = [0]
+
+
+def _on_parameter_registration(module, name, param):
+    _PARAM_EPOCH[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registration)
+_data_ptr = torch.Tensor.data_ptr
 
 
 class _RaggedGraph:
@@ -95,6 +134,7 @@ class _RaggedGraph:
         self.values = torch.zeros(rows, D, dtype=dtype, device=device)
         meta, _, _ = _host_meta([], config.align, config.block_m, batch, self.programs)
         self.meta = torch.from_numpy(meta).to(device)
+        self.ring = _PinnedRing(meta.size, torch.int32)
         self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
         from .nn import encoder_values
 
@@ -114,8 +154,10 @@ class _RaggedGraph:
         _warm_and_capture(self, run, device, pool)
 
     def _load_meta(self, lengths) -> int:
-        meta, rows, _ = _host_meta(lengths, self.config.align, self.config.block_m, self.batch, self.programs)
-        self.meta.copy_(torch.from_numpy(meta).pin_memory(), non_blocking=True)
+        slot = self.ring.next()
+        c = self.config
+        _, rows, _ = _host_meta(lengths, c.align, c.block_m, self.batch, self.programs, self.ring.arrays[slot])
+        self.ring.copy_to(slot, self.meta)
         return rows
 
     def run_padded(self, x_bld: torch.Tensor, lengths) -> torch.Tensor:
@@ -142,6 +184,7 @@ class _PaddedGraph:
         shape = (batch, length, D) if self.batch_first else (length, batch, D)
         self.x = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.ring = _PinnedRing(batch, torch.int32)
         positions = torch.arange(length, dtype=torch.int32, device=device)
 
         def run():
@@ -161,7 +204,9 @@ class _PaddedGraph:
 
     def run(self, x: torch.Tensor, lengths) -> torch.Tensor:
         L = x.shape[1] if self.batch_first else x.shape[0]
-        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32).pin_memory(), non_blocking=True)
+        slot = self.ring.next()
+        self.ring.arrays[slot][: len(lengths)] = lengths
+        self.ring.copy_to(slot, self.lengths)
         if self.batch_first:
             self.x[:, :L].copy_(x)
         else:
@@ -193,14 +238,18 @@ class GraphCache:
         self.pool = None
         self.captures = 0  # graphs captured so far (a call that captured is not a timing sample)
         self._ptrs: tuple[int, ...] | None = None
+        self._params: list[torch.Tensor] | None = None
+        self._epoch = -1
 
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
-        self._ptrs = None
+        self._ptrs = self._params = None
 
     def _check_params(self, module) -> None:
-        ptrs = tuple(p.data_ptr() for p in _params(module))
+        if self._epoch != _PARAM_EPOCH[0] or self._params is None:
+            self._params, self._epoch = list(module.parameters()), _PARAM_EPOCH[0]
+        ptrs = tuple(map(_data_ptr, self._params))
         if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
             self.graphs.clear()

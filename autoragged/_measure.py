@@ -15,7 +15,7 @@ from tuning_db.records import BatchStats, ModuleSignature
 
 from ._costmodel import Arm
 
-__all__ = ["build_encoder", "make_batch", "Timing", "time_ms", "ArmRunner"]
+__all__ = ["build_encoder", "make_batch", "Timing", "time_ms", "time_interleaved", "ArmRunner"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -72,6 +72,25 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
     return Timing(
         statistics.median(times), times[len(times) // 10], times[min(len(times) - 1, len(times) * 9 // 10)], reps
     )
+
+
+def time_interleaved(fns: Sequence[Callable[[], object]], device: torch.device, *, warmup: int = 2, reps: int = 5):
+    """Time several calls round-robin (rep 1 of each, then rep 2 of each, ...) so slow drifts of the
+    host or the clocks hit every arm alike: what the planner needs is their ratio. Returns a Timing each."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            times[i].append(time_ms(fn, device, warmup=0, reps=1).median_ms)
+    out = []
+    for t in times:
+        t.sort()
+        out.append(Timing(statistics.median(t), t[len(t) // 10], t[min(len(t) - 1, len(t) * 9 // 10)], reps))
+    return out
 
 
 class ArmRunner:

@@ -291,5 +291,5 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
         prior_accuracy=prior_metrics["accuracy"], prior_mean_regret=prior_metrics["mean_regret"],
     )  # fmt: skip
     model = _compile(_fit_trees(rows.X, rows.y, seed), device, _shortlist(measurements))
-    model.metrics = metrics
+    model.metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     return model

@@ -91,12 +91,16 @@ class Planner:
         reason = f"cost model ({self.model.name})"
         measured = self._measured.get(key)
         if measured:
+            used = 0
             for i, arm in enumerate(arms):
                 m = measured.get(arm.label)
                 if m is not None and m[0] >= self.min_samples:
                     predicted[i] = m[1]
-            if all(measured.get(a.label, (0,))[0] >= self.min_samples for a in arms):
+                    used += 1
+            if used == len(arms):
                 reason = "measured on this device"
+            elif used:  # predicted_ms then mixes measured means with predictions: say so
+                reason += f" and {used} of {len(arms)} arms measured on this device"
         best = int(np.argmin(predicted))
         plan = Plan(arms[best], {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}, reason)
         self._arms[key] = arms

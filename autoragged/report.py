@@ -380,7 +380,7 @@ def _open_existing(path: str | os.PathLike[str] | None) -> TuningDB:
             f"no tuning database at {db_path}; wrap a model with autoragged.wrap(...) and run it, or calibrate "
             "with python -m autoragged.tune (or pass --db / set AUTORAGGED_DB to an existing file)"
         )
-    return TuningDB.open(db_path)
+    return TuningDB.open(db_path, readonly=True)
 
 
 def _read(db: TuningDB | str | os.PathLike[str] | None, device: Any, since: Any) -> _Records:
@@ -639,8 +639,8 @@ def _device_blocks(dev: DeviceSummary) -> list[tuple]:
 
 
 def _saved_rows(s: TimeSaved) -> list[tuple]:
-    def pct(ms: float | None, of: float) -> str:
-        return "-" if ms is None else f"{ms:+.1f}% of {_ms(of)}"
+    def pct(percent: float | None, of_ms: float) -> str:
+        return "-" if percent is None else f"{percent:+.1f}% of {_ms(of_ms)}"
 
     return [
         ("vs always padded", _ms(s.vs_padded_ms), pct(s.vs_padded_pct, s.always_padded_ms)),
@@ -684,8 +684,11 @@ def _module_blocks(m: ModuleSummary) -> list[tuple]:
         blocks.append(("table", ["decided by", "batches", "share"], rows))
     blocks.append(("table", ["measured on sampled batches", "value"], _checks_rows(m)))
     s = m.saved
-    title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
-    blocks.append(("table", [title, "ms", "%"], _saved_rows(s)))
+    if s.batches:
+        title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
+        blocks.append(("table", [title, "ms", "%"], _saved_rows(s)))
+    else:
+        blocks.append(("p", "Estimated time saved: no batch had both a padded and a ragged prediction."))
     key = f"{m.device}|{m.signature}"
     blocks.append(("fig", f"map|{key}", f"decision map of {m.signature}: mean length vs padding fraction"))
     blocks.append(("fig", f"pvm|{key}", f"predicted vs measured latency of {m.signature} (sampled batches)"))

@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--budget", type=float, default=10.0, metavar="MINUTES", help="measuring time (default 10)")
+    p.add_argument("--budget", type=float, default=10.0, metavar="MINUTES",
+                   help="total time, fitting included: measuring stops early enough (default 10)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="about a minute: one signature, fewer configs")
     p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
     p.add_argument("--model", metavar="MODULE:FACTORY", help="calibrate for your own model: FACTORY() returns an "
@@ -149,7 +150,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from tuning_db import BatchStats, Measurement
 
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
-    from ._measure import make_batch, time_ms
+    from ._measure import make_batch, time_interleaved
     from ._planner import default_ragged_config
     from .workloads import sample
 
@@ -174,8 +175,9 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
                 continue
             arms.append(Arm("ragged", config))
             told.append((trial, len(arms) - 1))
-    reps = 5 if ctx.device.type == "cuda" else 3
-    timings = [time_ms(lambda a=a: runner.run(a, x, mask, lengths, stats), ctx.device, reps=reps) for a in arms]
+    reps = 7 if ctx.device.type == "cuda" else 3
+    fns = [lambda a=a: runner.run(a, x, mask, lengths, stats) for a in arms]
+    timings = time_interleaved(fns, ctx.device, warmup=2, reps=reps)
     for trial, i in told:
         study.tell(trial, timings[i].median_ms / timings[1].median_ms)
     if ctx.device.type == "cuda" and stats.batch * stats.max_len > 65536:
@@ -254,7 +256,9 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     ctx = _Context(db, device, key)
     plan_name = f"v1|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"
     done = db.done_items(key.key, plan_name)
-    budget_s = args.budget * 60 if not args.quick else min(args.budget * 60, 60.0)
+    total_s = args.budget * 60 if not args.quick else min(args.budget * 60, 60.0)
+    budget_s = total_s - min(45.0, 0.08 * total_s)  # what is left is for fitting and evaluating the model
+    budget_s -= time.monotonic() - args.started  # the time setting up (imports, model builds) counts too
     start = time.monotonic()
     measured, skipped = 0, 0
     # a bar on terminals only (disable=None): logs of non-interactive runs get the summary lines instead
@@ -321,16 +325,20 @@ def _fit_and_store(db, key) -> int:
     print(f"\ncost model #{model_id} for {key.key}")
     print(f"  fit on {metrics['rows']} measurements; evaluated with {metrics['holdout']} "
           f"({metrics['batches']} held-out batches; families {', '.join(metrics['families'])})")  # fmt: skip
+    pct = lambda v, digits=1: "n/a" if v is None else f"{v:.{digits}%}"  # noqa: E731
     print("  | metric | learned model | analytic prior |")
     print("  |---|---|---|")
-    print(f"  | decision accuracy | {metrics['accuracy']:.1%} | {metrics['prior_accuracy']:.1%} |")
-    print(f"  | mean regret | {metrics['mean_regret']:.2%} | {metrics['prior_mean_regret']:.2%} |")
-    print(f"  | p95 regret | {metrics['p95_regret']:.2%} | - |")
-    print(f"  | latency MAPE | {metrics['mape']:.1%} | - |")
+    print(f"  | decision accuracy | {pct(metrics['accuracy'])} | {pct(metrics['prior_accuracy'])} |")
+    print(f"  | mean regret | {pct(metrics['mean_regret'], 2)} | {pct(metrics['prior_mean_regret'], 2)} |")
+    print(f"  | p95 regret | {pct(metrics['p95_regret'], 2)} | - |")
+    print(f"  | latency MAPE | {pct(metrics['mape'])} | - |")
+    if metrics["batches"] == 0:
+        print("  (no batch was measured on several arms: decision metrics need the tuner's own batches)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
     if args.budget <= 0:
@@ -357,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("device: %s\ndatabase: %s", key.key, db.path)
         if not args.refit:
             t0 = time.monotonic()
+            args.started = started
             measured, interrupted = _measure(args, db, device, key)
             log.info("measured %d batches in %.0f s", measured, time.monotonic() - t0)
             if interrupted:

@@ -92,53 +92,52 @@ def _ragged_attn_fwd_kernel(
     pid = tl.program_id(0)
     head = tl.program_id(1)
     comp = tl.load(grid_mapping + pid)
-    if comp < 0:  # a spare program of a grid sized for a bucket (CUDA graphs): no block to do
-        return
-    block = pid - tl.load(block_offsets + comp)
-    start = tl.load(offsets + comp).to(tl.int64)
-    length = tl.load(lengths + comp)
-    extent = tl.load(offsets + comp + 1) - tl.load(offsets + comp)
+    if comp >= 0:  # -1: a spare program of a grid sized for a bucket (CUDA graphs), nothing to do
+        block = pid - tl.load(block_offsets + comp)
+        start = tl.load(offsets + comp).to(tl.int64)
+        length = tl.load(lengths + comp)
+        extent = tl.load(offsets + comp + 1) - tl.load(offsets + comp)
 
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    row_mask = offs_m < length
-    q = tl.load(
-        Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=row_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    k_base = K + start * stride_kt + head * stride_kh
-    v_base = V + start * stride_vt + head * stride_vh
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        row_mask = offs_m < length
+        q = tl.load(
+            Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        k_base = K + start * stride_kt + head * stride_kh
+        v_base = V + start * stride_vt + head * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        # keys before this query block are visible to all of its rows; the diagonal needs the mask
-        n_full = (block * BLOCK_M) // BLOCK_N * BLOCK_N
-        n_end = tl.minimum(length, (block + 1) * BLOCK_M)
-    else:
-        n_full = length // BLOCK_N * BLOCK_N
-        n_end = length
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-        offs_m, offs_n, offs_d, d_mask, 0, n_full, length,
-        False, CAUSAL, BLOCK_N, PRECISION, UPCAST,
-    )  # fmt: skip
-    acc, l_i, m_i = _attn_tile(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-        offs_m, offs_n, offs_d, d_mask, n_full, n_end, length,
-        True, CAUSAL, BLOCK_N, PRECISION, UPCAST,
-    )  # fmt: skip
-    out = tl.where(row_mask[:, None], acc / l_i[:, None], 0.0)
-    # rows in [length, extent) of this block are the component's alignment gap: written as zeros
-    tl.store(
-        Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=(offs_m < extent)[:, None] & d_mask[None, :],
-    )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if CAUSAL:
+            # keys before this query block are visible to all of its rows; the diagonal needs the mask
+            n_full = (block * BLOCK_M) // BLOCK_N * BLOCK_N
+            n_end = tl.minimum(length, (block + 1) * BLOCK_M)
+        else:
+            n_full = length // BLOCK_N * BLOCK_N
+            n_end = length
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
+            offs_m, offs_n, offs_d, d_mask, 0, n_full, length,
+            False, CAUSAL, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
+            offs_m, offs_n, offs_d, d_mask, n_full, n_end, length,
+            True, CAUSAL, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        out = tl.where(row_mask[:, None], acc / l_i[:, None], 0.0)
+        # rows in [length, extent) of this block are the component's alignment gap: written as zeros
+        tl.store(
+            Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=(offs_m < extent)[:, None] & d_mask[None, :],
+        )
 
 
 # -- config space -------------------------------------------------------------------------------

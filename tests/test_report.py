@@ -300,6 +300,8 @@ def test_unregistered_device_can_be_selected(tmp_path):
         db.add_decisions([Decision(time.time(), "my-gpu|cc8.0", CORA, S1, "padded", None, {"padded": 1.0}, "x")])
     s = report.summary(path, device="my-gpu")
     assert [d.key for d in s.devices] == ["my-gpu|cc8.0"] and s.devices[0].name is None
+    assert s.devices[0].modules[0].saved.batches == 0  # no ragged prediction: no estimate, and the report says so
+    assert "no batch had both a padded and a ragged prediction" in report.render_text(s)
 
 
 # ------------------------------------------------------------------------------------------ HTML

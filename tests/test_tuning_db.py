@@ -676,3 +676,24 @@ def test_importing_tuning_db_pulls_in_no_torch_numpy_or_runtime():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "[]"]
+
+
+def test_readonly_open_reads_and_never_writes(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "ro.sqlite"
+    with TuningDB.open(path) as db:
+        db.register_device(DeviceKey("g", "9.0", 1, 1, "d", "t", "tr"))
+    before = path.read_bytes()
+    with TuningDB.open(path, readonly=True) as db:
+        assert [d.name for d in db.devices()] == ["g"]
+        with pytest.raises(DatabaseError):
+            db.register_device(DeviceKey("h", "9.0", 1, 1, "d", "t", "tr"))
+    assert path.read_bytes() == before
+    other = tmp_path / "other.sqlite"
+    sqlite3.connect(other).execute("CREATE TABLE x (a)").connection.close()
+    with pytest.raises(DatabaseError, match="not a tuning database"):
+        TuningDB.open(other, readonly=True)
+    assert sqlite3.connect(other).execute("SELECT name FROM sqlite_master").fetchall() == [("x",)]
+    with pytest.raises(DatabaseError, match="no tuning database"):
+        TuningDB.open(tmp_path / "missing.sqlite", readonly=True)

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._errors import DatabaseError, explain
-from .migrations import DATA_TABLES, MIGRATIONS, applied_migrations, migrate, unknown_migrations, write_transaction
+from .migrations import (
+    DATA_TABLES,
+    MIGRATIONS,
+    MIGRATIONS_TABLE,
+    applied_migrations,
+    migrate,
+    unknown_migrations,
+    write_transaction,
+)
 from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
 
 if TYPE_CHECKING:  # imported lazily in TuningDB.open: sqlite-utils pulls in numpy and click (~100 ms)
@@ -258,8 +266,12 @@ class TuningDB:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str] | None = None) -> TuningDB:
+    def open(cls, path: str | os.PathLike[str] | None = None, *, readonly: bool = False) -> TuningDB:
         """Open (creating and migrating as needed) the database at `path` (default: `default_path()`).
+
+        readonly=True opens an existing database for reading only: nothing is created or migrated, and a
+        file that is not a tuning database, or one at an older schema, is refused (a reader must not
+        change a file it was merely pointed at).
 
         Raises DatabaseError, naming the path and the remedy, for a directory, an unwritable location, a
         file that is not SQLite or is corrupt, or a schema written by a newer autoragged.
@@ -267,6 +279,8 @@ class TuningDB:
         import sqlite_utils
 
         db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
+        if readonly:
+            return cls._open_readonly(db_path)
         _check_location(db_path)
         conn = None
         try:
@@ -284,6 +298,39 @@ class TuningDB:
                 conn.close()
             raise
         log.debug("tuning database %s open (schema %d, applied now: %s)", db_path, len(MIGRATIONS), applied)
+        return cls(db_path, conn, db)
+
+    @classmethod
+    def _open_readonly(cls, db_path: Path) -> TuningDB:
+        import sqlite_utils
+
+        if not db_path.is_file():
+            raise DatabaseError(f"no tuning database at {db_path} (nothing was recorded there yet)")
+        conn = None
+        try:
+            conn = sqlite3.connect(
+                f"{db_path.as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
+                isolation_level=None,
+            )  # fmt: skip
+            db = sqlite_utils.Database(conn, execute_plugins=False)
+            _check_not_newer(db, db_path)
+            applied = applied_migrations(db)
+            if not applied:
+                raise DatabaseError(f"{db_path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
+            missing = [name for name, _ in MIGRATIONS if name not in applied]
+            if missing:
+                raise DatabaseError(
+                    f"the tuning database {db_path} is at an older schema (missing {', '.join(missing)}); open it "
+                    "read-write once to migrate it, e.g. python -m autoragged.tune --refit"
+                )
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            raise explain(e, db_path, "opening it read-only") from e
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
         return cls(db_path, conn, db)
 
     # -- plumbing
