@@ -32,6 +32,7 @@ from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, defaul
 
 from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from ._device import device_key
+from ._epoch import param_epoch
 from ._layout import Layout, as_lengths
 from ._planner import Plan, Planner, default_ragged_config
 from ._ragged import RaggedTensor, _batch_major, _from_padded, _to_padded, mask_lengths
@@ -129,6 +130,7 @@ class _Runtime:
         self.graph_cap = graph_cap
         self.graphs = None  # GraphCache, made on the first graph arm
         self.graph_min_seen = 2  # capture a bucket when it is asked for the second time
+        self._probe, self._probe_epoch = None, -1
         self.db_path = db_path
         self.sample_every = sample_every
         self.explore = explore
@@ -226,7 +228,11 @@ class _Runtime:
         log.info("autoragged %s: %d batches so far; last %d: %s%s", self.sig_key, self.count, len(last), shares, extra)
 
     def _param(self) -> torch.Tensor:
-        return self.layers[0].linear1.weight
+        """The first layer's linear1 weight: its dtype and device stand for the module's. Cached, and
+        re-read when any parameter was re-registered (module attribute lookups cost microseconds)."""
+        if self._probe_epoch != param_epoch():
+            self._probe, self._probe_epoch = self.layers[0].linear1.weight, param_epoch()
+        return self._probe
 
     def _record(self, record: _Record, measurement: Measurement | None = None) -> None:
         if measurement is None:

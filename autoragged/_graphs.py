@@ -30,6 +30,7 @@ import torch
 from kernels import ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
+from ._epoch import param_epoch
 
 __all__ = ["GraphCache"]
 
@@ -108,17 +109,9 @@ class _PinnedRing:
         self.used[slot] = True
 
 
-# Parameters re-registered anywhere (module.weight = Parameter(...), load_state_dict(assign=True)) bump
-# this epoch; a GraphCache then re-lists its module's parameters (slow) before checking their storage
-# (fast), which also catches storage swapped under an existing Parameter (`.data = ...`, `.to()`).
-_PARAM_EPOCH = [0]
-
-
-def _on_parameter_registration(module, name, param):
-    _PARAM_EPOCH[0] += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registration)
+# Parameters re-registered anywhere bump `param_epoch()`; a GraphCache then re-lists its module's
+# parameters (slow) before checking their storage (fast), which also catches storage swapped under an
+# existing Parameter (`.data = ...`, `.to()`).
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -247,8 +240,8 @@ class GraphCache:
         self._ptrs = self._params = None
 
     def _check_params(self, module) -> None:
-        if self._epoch != _PARAM_EPOCH[0] or self._params is None:
-            self._params, self._epoch = list(module.parameters()), _PARAM_EPOCH[0]
+        if self._epoch != param_epoch() or self._params is None:
+            self._params, self._epoch = list(module.parameters()), param_epoch()
         ptrs = tuple(map(_data_ptr, self._params))
         if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from collections import deque
 from pathlib import Path
 
 from tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
@@ -23,37 +24,28 @@ class Recorder:
     def __init__(self, interval_s: float = 5.0, high_water: int = 4096):
         self.interval_s = interval_s
         self.high_water = high_water
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dict of queues and the thread start, not the appends
         self._wake = threading.Event()
-        self._queues: dict[Path, tuple[list[Decision], list[Measurement], dict[str, DeviceKey]]] = {}
+        self._queues: dict[Path, deque] = {}
         self._dbs: dict[Path, TuningDB] = {}
         self._broken: set[Path] = set()
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()
 
-    # -- producer side (hot path: list appends under a lock) ----------------------------------
-    def _queue(self, path: Path):
-        q = self._queues.get(path)
-        if q is None:
-            q = self._queues[path] = ([], [], {})
-        return q
-
+    # -- producer side (the hot path: one deque append, atomic in CPython, no lock) -------------
     def add(self, path: Path, device: DeviceKey, decision=None, measurement: Measurement | None = None) -> None:
         """Queue a decision (a `Decision`, or any object whose `.decision()` makes one at flush time, so the
         hot path builds nothing) and/or a measurement for `path`."""
-        if path in self._broken:
-            return
-        with self._lock:
-            decisions, measurements, devices = self._queue(path)
-            devices.setdefault(device.key, device)
-            if decision is not None:
-                decisions.append(decision)
-            if measurement is not None:
-                measurements.append(measurement)
-            size = len(decisions) + len(measurements)
+        q = self._queues.get(path)
+        if q is None:
+            if path in self._broken:
+                return
+            with self._lock:
+                q = self._queues.setdefault(path, deque())
+        q.append((device, decision, measurement))
         if self._thread is None:
             self._start()
-        if size >= self.high_water and not self._wake.is_set():
+        elif len(q) >= self.high_water and not self._wake.is_set():
             self._wake.set()
 
     def _start(self) -> None:
@@ -81,23 +73,27 @@ class Recorder:
         return db
 
     def flush(self) -> int:
-        """Write everything queued so far; returns the rows written."""
+        """Write everything queued so far (one transaction per table and path); returns the rows written."""
         written = 0
         with self._flush_lock:
-            with self._lock:
-                queues, self._queues = self._queues, {}
-            for path, (decisions, measurements, devices) in queues.items():
-                if not (decisions or measurements) or path in self._broken:
+            for path, q in list(self._queues.items()):
+                items = []
+                while q:  # popleft is atomic too: producers may keep appending meanwhile
+                    items.append(q.popleft())
+                if not items or path in self._broken:
                     continue
+                devices = {d.key: d for d, _, _ in items}
+                decisions = [x if isinstance(x, Decision) else x.decision() for _, x, _ in items if x is not None]
+                measurements = [m for _, _, m in items if m is not None]
                 try:
                     db = self.open_db(path)
                     for device in devices.values():
                         db.register_device(device)
-                    decisions = [d if isinstance(d, Decision) else d.decision() for d in decisions]
                     written += db.add_decisions(decisions) if decisions else 0
                     written += db.add_measurements(measurements) if measurements else 0
                 except DatabaseError as e:
                     self._broken.add(path)
+                    self._queues.pop(path, None)
                     log.warning("autoragged: not recording decisions any more: %s", e)
         return written
 

@@ -1,6 +1,6 @@
 """Copy a tuning database into one consistent file (SQLite's backup API: safe while WAL files exist).
 
-    python benchmarks/db_backup.py SRC DST
+python benchmarks/db_backup.py SRC DST
 """
 
 import sqlite3

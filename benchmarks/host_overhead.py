@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from autoragged import RaggedTensor  # noqa: E402
-from autoragged._graphs import GraphCache, _host_meta  # noqa: E402
+from autoragged._graphs import GraphCache, _host_meta, meta_size  # noqa: E402
 from autoragged._ragged import mask_lengths  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from kernels import ragged_add_layer_norm as k_ln  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> int:
     enc = torch.nn.TransformerEncoder(layer, 6).to(dev, torch.float16).eval()
     cache = GraphCache()
     mask = torch.arange(37, device=dev)[None, :] >= torch.tensor(lengths, device=dev)[:, None]
-    meta_static = torch.zeros(2000, dtype=torch.int32, device=dev)
+    meta_static = torch.zeros(meta_size(32, 64), dtype=torch.int32, device=dev)
 
     def attention():
         return k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=cfg)

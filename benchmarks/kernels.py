@@ -96,13 +96,13 @@ LINEAR_SHAPES = [("qkv", 1536, 512), ("out", 512, 512), ("ff1", 2048, 512), ("ff
 
 def linear_configs(quick: bool) -> list[KernelConfig]:
     cs = [
-        KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-        KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-        KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4),
-        KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-        KernelConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
-        KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3),
-    ]
+        KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, group_m=g)
+        for bm, bn, bk, w, st, g in [
+            (128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8),
+            (128, 64, 64, 4, 4, 8), (64, 64, 64, 4, 3, 8), (128, 128, 128, 8, 3, 8), (128, 256, 64, 8, 4, 4),
+            (256, 128, 64, 8, 3, 4), (128, 128, 64, 8, 5, 8), (64, 256, 64, 8, 4, 8), (64, 128, 128, 4, 3, 8),
+        ]
+    ]  # fmt: skip
     return cs[:3] if quick else cs
 
 

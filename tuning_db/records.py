@@ -21,7 +21,7 @@ _sumprod = getattr(math, "sumprod", lambda a, b: sum(map(operator.mul, a, b)))
 __all__ = ["BatchStats", "DeviceKey", "ModuleSignature", "Decision", "Measurement", "config_key"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchStats:
     """Length statistics of one batch (host arithmetic only).
 
@@ -38,6 +38,7 @@ class BatchStats:
     std: float
     pad_fraction: float
 
+    # not frozen: a frozen dataclass sets each field through object.__setattr__, ~2 us per batch here
     @classmethod
     def from_lengths(cls, lengths: tuple[int, ...], padded_len: int | None = None) -> BatchStats:
         """Stats of host `lengths`; `padded_len` is the rectangle's length (default: max of lengths)."""
