@@ -186,12 +186,18 @@ class _PaddedGraph:
             fill = mask[..., None] if self.batch_first else mask.t()[..., None]
             return out.masked_fill(fill, 0.0)
 
+        # Captured on PyTorch's plain path: the nested-tensor conversion synchronises (not capturable), and
+        # the fused encoder-layer fast path replayed wrong results for pre-norm layers on torch 2.11 (H100,
+        # 2026-11-22, tests/test_graphs_cuda.py). Both flags only matter while capturing.
         nested = getattr(module, "use_nested_tensor", None)
+        fast = torch.backends.mha.get_fastpath_enabled()
         try:
             if nested is not None:
-                module.use_nested_tensor = False  # the nested conversion synchronises: not capturable
+                module.use_nested_tensor = False
+            torch.backends.mha.set_fastpath_enabled(False)
             _warm_and_capture(self, run, device, pool)
         finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
             if nested is not None:
                 module.use_nested_tensor = nested
 

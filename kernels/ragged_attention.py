@@ -91,6 +91,7 @@ def _ragged_attn_fwd_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
+    qk_scale = qk_scale.to(tl.float32)  # torch.compile passes Python floats as fp64: keep the softmax fp32
     comp = tl.load(grid_mapping + pid)
     if comp >= 0:  # -1: a spare program of a grid sized for a bucket (CUDA graphs), nothing to do
         block = pid - tl.load(block_offsets + comp)

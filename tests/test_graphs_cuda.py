@@ -56,8 +56,9 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
         torch.testing.assert_close(
             real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
         )
+        # the padded graph is PyTorch's plain path, eager padded may take its fused fast path: fp16-level
         torch.testing.assert_close(
-            real(graph_p, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=2e-3, atol=2e-3
+            real(graph_p, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=1e-2, atol=1e-2
         )
         torch.testing.assert_close(
             real(graph_r, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=2e-2, atol=2e-2
