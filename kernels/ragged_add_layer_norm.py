@@ -40,7 +40,7 @@ def _add_layer_norm_kernel(
     mean = tl.sum(x, axis=1) / N
     centered = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(centered * centered, axis=1) / N
-    y = centered * tl.math.rsqrt(var + eps.to(tl.float32))[:, None]  # eps may arrive as fp64 (torch.compile)
+    y = centered * tl.math.rsqrt((var + eps).to(tl.float32))[:, None]  # eps may arrive as fp64 (torch.compile)
     if HAS_W:
         y = y * tl.load(Wt + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if HAS_B:

@@ -57,10 +57,13 @@ def _attn_tile(
         else:
             kv_mask = d_mask[None, :]
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        # (x * qk_scale) is cast back to fp32: torch.compile passes Python floats as fp64 scalars
         if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * qk_scale
+            qk = (tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * qk_scale).to(
+                tl.float32
+            )
         else:
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            qk = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale).to(tl.float32)
         if MASKED:
             keep = cols[None, :] < length
             if CAUSAL:
@@ -91,7 +94,6 @@ def _ragged_attn_fwd_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    qk_scale = qk_scale.to(tl.float32)  # torch.compile passes Python floats as fp64: keep the softmax fp32
     comp = tl.load(grid_mapping + pid)
     if comp >= 0:  # -1: a spare program of a grid sized for a bucket (CUDA graphs), nothing to do
         block = pid - tl.load(block_offsets + comp)
