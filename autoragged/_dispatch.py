@@ -30,6 +30,7 @@ from torch import nn
 from kernels._config import KernelConfig
 from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
 
+from . import _graphs
 from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from ._device import device_key
 from ._epoch import param_epoch
@@ -307,8 +308,10 @@ class _Runtime:
         def candidates(stats: BatchStats) -> list[Arm]:
             default = default_ragged_config(head_dim, stats.max_len)
             arms = shortlist(stats) if shortlist else [Arm("ragged", default)]
-            if graphs:  # both arms replayed as graphs, with the config the tuner measures graphs with
-                arms = [*arms, Arm("ragged_graph", default), PADDED_GRAPH]
+            if graphs:  # replayed as graphs, with the config the tuner measures graphs with
+                arms = [*arms, Arm("ragged_graph", default)]
+                if _graphs.PADDED_GRAPHS:
+                    arms.append(PADDED_GRAPH)
             return arms
 
         return Planner(self.sig, model, candidates)

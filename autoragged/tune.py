@@ -149,6 +149,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from kernels import ragged_attention as k_attn
     from tuning_db import BatchStats, Measurement
 
+    from . import _graphs
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
     from ._measure import make_batch, time_interleaved
     from ._planner import default_ragged_config
@@ -163,7 +164,9 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
     if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
-        arms += [PADDED_GRAPH, Arm("ragged_graph", default.config)]
+        arms.append(Arm("ragged_graph", default.config))
+        if _graphs.PADDED_GRAPHS:
+            arms.append(PADDED_GRAPH)
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)

@@ -21,7 +21,7 @@ Columns
   ragged           autoragged forced to the eager ragged arm (policy="ragged")
   auto             autoragged.wrap(model) with the tuning database given by --db / AUTORAGGED_DB
   auto_lengths     the same wrapped model called with lengths= (host ints) instead of the mask
-  oracle           the best of autoragged's arms on each batch (padded, ragged, and their graphs)
+  oracle           the best of autoragged's arms on each batch (padded, ragged, ragged graph; default config)
   roofline         real-token FLOPs at the measured fp16 matmul rate
 The model gets `src_key_padding_mask` (True = pad), as PyTorch code calls it; `auto` computes lengths
 from it (one device->host copy per batch).
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autoragged  # noqa: E402
+from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
@@ -161,12 +162,18 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
         if "auto" in cols:
             out["auto"] = t(lambda: models["auto"](x, src_key_padding_mask=mask))
             chosen = autoragged.recent_decisions(models["auto"], 1)[0].arm
+            # results never depend on the arm: auto's output against PyTorch's on the real tokens
+            got, want = models["auto"](x, src_key_padding_mask=mask), models["plain"](x, src_key_padding_mask=mask)
+            real = ~mask
+            out["auto_max_err"] = (got[real].float() - want[real].float()).abs().max().item()
         if "auto_lengths" in cols:  # the same wrapped model, told the lengths on the host (no device sync)
             out["auto_lengths"] = t(lambda: models["auto"](x, lengths=lengths))
         if "oracle" in cols:
             stats = BatchStats.from_lengths(tuple(lengths))
             cfg = default_ragged_config(D // CORA_MODEL["heads"], L)
-            arms = [PADDED, Arm("ragged", cfg), PADDED_GRAPH, Arm("ragged_graph", cfg)]
+            arms = [PADDED, Arm("ragged", cfg), Arm("ragged_graph", cfg)] + (
+                [PADDED_GRAPH] if _graphs.PADDED_GRAPHS else []
+            )
             runner = models["oracle"]
             out["oracle"] = min(t(lambda a=a: runner.run(a, x, mask, tuple(lengths), stats)) for a in arms)
     return out, chosen
@@ -174,7 +181,7 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
 
 def bench_row(name, batch, args, models, peak, device) -> dict:
     rng = np.random.default_rng(sum(map(ord, name)) * 1000 + batch)
-    cells: dict[str, list[float]] = {c: [] for c in [*args.columns, "roofline"]}
+    cells: dict[str, list[float]] = {c: [] for c in [*args.columns, "roofline", "auto_max_err"]}
     chosen = []
     for b in range(args.batches):
         lengths = sample_cora(name, batch, rng)
@@ -189,6 +196,8 @@ def bench_row(name, batch, args, models, peak, device) -> dict:
         row[col] = statistics.median(values) if values else None
     if chosen:
         row["auto_arms"] = {a: chosen.count(a) for a in sorted(set(chosen))}
+    if cells.get("auto_max_err"):
+        row["auto_max_err"] = max(cells["auto_max_err"])
     pytorch = [row[c] for c in ("padded_nofast", "pytorch_fast", "compile", "compile_ro") if row.get(c)]
     if pytorch and row.get("auto"):
         row["best_pytorch"] = min(pytorch)
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cols = [("dataset", "dataset", ""), ("batch", "B", "d")]
     cols += [(c, c, ".3f") for c in ALL_COLUMNS if c in args.columns] + [("roofline", "roofline", ".3f")]
-    cols += [("speedup_vs_best_pytorch", "auto vs best PyTorch", ".2f"), ("auto_vs_oracle", "auto / oracle", ".2f")]
+    cols += [("speedup_vs_best_pytorch", "auto vs best PyTorch", ".2f"), ("auto_vs_oracle", "auto / oracle", ".2f"),
+             ("auto_max_err", "auto max err", ".1e")]  # fmt: skip
     print("\n## CoRa encoder, ms per batch (median)\n")
     print(table(rows, cols))
     summary = {}

@@ -53,6 +53,11 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
         eager_p, _ = run(enc, PADDED, lengths, batch_first=batch_first, seed=i)
         graph_p, note_p = run(enc, PADDED_GRAPH, lengths, batch_first=batch_first, seed=i)
         assert note_r is None and note_p is None, (note_r, note_p)
+        if not _graphs.PADDED_GRAPHS:  # off by default (see _graphs.PADDED_GRAPHS): only the ragged graph
+            torch.testing.assert_close(
+                real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
+            )
+            continue
         torch.testing.assert_close(
             real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
         )

@@ -55,7 +55,9 @@ def _attention_case(device, dtype, lengths, head_dim, causal, config, align, hea
     offsets, dev_lengths = rt.layout.device_meta(rt.device)
     grid_mapping, block_offsets = rt.prelude(config.block_m)
     out = torch.full_like(q, float("nan"))  # poison: every real row must be written
-    k_attn.ragged_attention(q, k, v, offsets, dev_lengths, grid_mapping, block_offsets, causal=causal, config=config, out=out)
+    k_attn.ragged_attention(
+        q, k, v, offsets, dev_lengths, grid_mapping, block_offsets, causal=causal, config=config, out=out
+    )
     real = _real_rows(rt)
     ref64 = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), rt.layout.offsets, lengths, causal=causal)
     same = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths, causal=causal, upcast=False)
@@ -218,12 +220,20 @@ def test_ops_keep_layout_and_zero_gaps(backend):
     "call, exc, words",
     [
         (lambda q: ops.ragged_attention(q, q, q.values), TypeError, "not a RaggedTensor"),
-        (lambda q: ops.ragged_attention(q, q, RaggedTensor.from_padded(torch.randn(2, 9, 1, 32), [9, 3])), ValueError, "another layout"),
+        (
+            lambda q: ops.ragged_attention(q, q, RaggedTensor.from_padded(torch.randn(2, 9, 1, 32), [9, 3])),
+            ValueError,
+            "another layout",
+        ),
         (lambda q: ops.ragged_attention(q, q, q.to(torch.float64)), ValueError, "float64"),
         (lambda q: ops.ragged_linear(q, torch.randn(8, 32)), ValueError, "values must be (T, K)"),
         (lambda q: ops.linear_values(q.values[:, 0], torch.randn(8, 31)), ValueError, "disagree"),
         (lambda q: ops.linear_values(q.values[:, 0], torch.randn(8, 32), activation="tanh"), ValueError, "activation"),
-        (lambda q: ops.ragged_bmm(RaggedTensor(q.values[:, 0], q.layout), torch.randn(3, 32, 4)), ValueError, "weights must be (B, K, N) = (2"),
+        (
+            lambda q: ops.ragged_bmm(RaggedTensor(q.values[:, 0], q.layout), torch.randn(3, 32, 4)),
+            ValueError,
+            "weights must be (B, K, N) = (2",
+        ),
     ],
 )
 def test_op_errors_are_named(call, exc, words):
@@ -274,7 +284,9 @@ def test_registered_ops_propagate_shapes_with_fake_tensors():
         meta = torch.empty(5, dtype=torch.int32)
         out = torch.ops.autoragged.ragged_attention(q, q, q, meta, meta[:4], meta, meta, False, 0.125, 64, 64, 4, 2)
         assert out.shape == (100, 8, 64) and out.dtype == torch.float16
-        y = torch.ops.autoragged.ragged_linear(torch.empty(100, 512), torch.empty(2048, 512), None, 1, 64, 64, 32, 4, 2, 8)
+        y = torch.ops.autoragged.ragged_linear(
+            torch.empty(100, 512), torch.empty(2048, 512), None, 1, 64, 64, 32, 4, 2, 8
+        )
         assert y.shape == (100, 2048)
         n, s = torch.ops.autoragged.add_layer_norm(torch.empty(100, 512), None, None, None, 1e-5, True, 8, 4)
         assert n.shape == s.shape == (100, 512)

@@ -212,26 +212,87 @@ def test_all_zero_lengths(backend):
         (lambda: RaggedTensor.from_padded(torch.randn(5), [1]), ValueError, "at least 2 dims"),
         (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1]), ValueError, "got 1 lengths for a batch of 2"),
         (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, -2]), ValueError, "lengths[1] = -2 is negative"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 5]), ValueError, "lengths[1] = 5 exceeds the padded length 4"),
+        (
+            lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 5]),
+            ValueError,
+            "lengths[1] = 5 exceeds the padded length 4",
+        ),
         (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2.5]), TypeError, "2.5"),
         (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), torch.tensor([1.0, 2.0])), TypeError, "integers"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), torch.tensor([1, 2], device="meta")), TypeError, "on the host"),
+        (
+            lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), torch.tensor([1, 2], device="meta")),
+            TypeError,
+            "on the host",
+        ),
         (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2], align=3), ValueError, "power of two"),
         (lambda: RaggedTensor.from_padded([[1.0]], [1]), TypeError, "torch.Tensor"),
-        (lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 2, 6])), ValueError, "offsets decrease at 1"),
-        (lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 9])), ValueError, "offsets[-1] = 9 but values has only 6 rows"),
-        (lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 6]), [5, 2]), ValueError, "lengths[0] = 5 exceeds"),
-        (lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0.0, 6.0])), TypeError, "int32/int64"),
-        (lambda: RaggedTensor.from_mask(torch.randn(2, 4, 3), torch.tensor([[False, True, False, True], [False] * 4])), ValueError, "row 0"),
-        (lambda: RaggedTensor.from_mask(torch.randn(2, 4, 3), torch.zeros(2, 5, dtype=torch.bool)), ValueError, "(2, 5)"),
+        (
+            lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 2, 6])),
+            ValueError,
+            "offsets decrease at 1",
+        ),
+        (
+            lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 9])),
+            ValueError,
+            "offsets[-1] = 9 but values has only 6 rows",
+        ),
+        (
+            lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0, 4, 6]), [5, 2]),
+            ValueError,
+            "lengths[0] = 5 exceeds",
+        ),
+        (
+            lambda: RaggedTensor.from_values_offsets(torch.randn(6, 2), torch.tensor([0.0, 6.0])),
+            TypeError,
+            "int32/int64",
+        ),
+        (
+            lambda: RaggedTensor.from_mask(
+                torch.randn(2, 4, 3), torch.tensor([[False, True, False, True], [False] * 4])
+            ),
+            ValueError,
+            "row 0",
+        ),
+        (
+            lambda: RaggedTensor.from_mask(torch.randn(2, 4, 3), torch.zeros(2, 5, dtype=torch.bool)),
+            ValueError,
+            "(2, 5)",
+        ),
         (lambda: RaggedTensor.from_mask(torch.randn(2, 4, 3), torch.zeros(2, 4)), TypeError, "bool or integer"),
-        (lambda: strip_padding(torch.randn(2, 4), torch.ones(2, 4, dtype=torch.bool), axis=2), ValueError, "axis must be"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]).to_padded(max_len=1), ValueError, "max_len = 1 is shorter"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]).select(2), IndexError, "component 2 out of range"),
-        (lambda: RaggedTensor.from_list([torch.randn(2, 3), torch.randn(2, 4)]), ValueError, "tensors[1] has features (4,)"),
+        (
+            lambda: strip_padding(torch.randn(2, 4), torch.ones(2, 4, dtype=torch.bool), axis=2),
+            ValueError,
+            "axis must be",
+        ),
+        (
+            lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]).to_padded(max_len=1),
+            ValueError,
+            "max_len = 1 is shorter",
+        ),
+        (
+            lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]).select(2),
+            IndexError,
+            "component 2 out of range",
+        ),
+        (
+            lambda: RaggedTensor.from_list([torch.randn(2, 3), torch.randn(2, 4)]),
+            ValueError,
+            "tensors[1] has features (4,)",
+        ),
         (lambda: RaggedTensor.from_list([]), ValueError, "at least one tensor"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]) + RaggedTensor.from_padded(torch.randn(2, 4, 3), [2, 1]), ValueError, "layouts differ"),
-        (lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]) * torch.randn(4, 3), ValueError, "broadcasts over one component"),
+        (
+            lambda: (
+                RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2])
+                + RaggedTensor.from_padded(torch.randn(2, 4, 3), [2, 1])
+            ),
+            ValueError,
+            "layouts differ",
+        ),
+        (
+            lambda: RaggedTensor.from_padded(torch.randn(2, 4, 3), [1, 2]) * torch.randn(4, 3),
+            ValueError,
+            "broadcasts over one component",
+        ),
         (lambda: RaggedTensor.from_nested(torch.randn(2, 3)), TypeError, "nested tensor"),
         (lambda: restore_padding(torch.randn(2, 3)), TypeError, "RaggedTensor"),
     ],

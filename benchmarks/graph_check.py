@@ -1,0 +1,98 @@
+"""Do the padded-arm CUDA graphs replay what the eager padded arm computes? (GPU diagnostic)
+
+    python benchmarks/graph_check.py
+
+For post/pre-norm and batch-first/sequence-first encoders, several batches per bucket: the max abs
+error on real tokens between the padded graph and the eager padded arm, with the graph captured under
+the SDPA backends autoragged restricts it to (efficient, math) and under PyTorch's defaults. Prints a
+table and writes benchmarks/results/graph_check.json; autoragged offers padded graphs only once this
+shows them equal (see autoragged/_graphs.py, PADDED_GRAPHS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged import _graphs  # noqa: E402
+from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
+from autoragged._planner import default_ragged_config  # noqa: E402
+from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from tuning_db import BatchStats  # noqa: E402
+
+BATCHES = [[37, 5, 100, 1], [64, 64, 3], [17] * 9, [200, 1, 1, 1, 1, 90], [90, 50, 100, 2]]
+
+
+def max_err(enc, arm_a, arm_b, lengths, batch_first, seed):
+    torch.manual_seed(seed)
+    L = max(lengths)
+    x = torch.randn(len(lengths), L, 256, device="cuda", dtype=torch.float16)
+    x = x if batch_first else x.transpose(0, 1).contiguous()
+    mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+    stats = BatchStats.from_lengths(tuple(lengths), padded_len=L)
+    outs = []
+    for arm in (arm_a, arm_b):
+        with torch.inference_mode():
+            y, note = enc._autoragged._execute(enc, arm, x, x, False, None, mask, None, tuple(lengths), L, stats)
+        assert note is None, note
+        y = y if batch_first else y.transpose(0, 1)
+        outs.append(torch.cat([y[i, :n] for i, n in enumerate(lengths)]).float())
+    return (outs[0] - outs[1]).abs().max().item()
+
+
+def main() -> int:
+    require_cuda("benchmarks/graph_check.py")
+    env = environment()
+    header("padded / ragged CUDA graphs vs eager", env)
+    rows = []
+    for restrict in (True, False):
+        for norm_first in (False, True):
+            for batch_first in (True, False):
+                layer = torch.nn.TransformerEncoderLayer(256, 4, 512, dropout=0.0, batch_first=batch_first,
+                                                         norm_first=norm_first)  # fmt: skip
+                enc = torch.nn.TransformerEncoder(layer, 2).to("cuda", torch.float16).eval()
+                autoragged.wrap(enc, db=False)
+                enc._autoragged.graph_min_seen = 1
+                patch = contextlib.nullcontext() if restrict else _unrestricted()
+                cfg = default_ragged_config(64, 128)
+                with patch:
+                    padded = max(
+                        max_err(enc, PADDED_GRAPH, PADDED, b, batch_first, i) for i, b in enumerate(BATCHES * 2)
+                    )
+                ragged = max(max_err(enc, Arm("ragged_graph", cfg), Arm("ragged", cfg), b, batch_first, i)
+                             for i, b in enumerate(BATCHES * 2))  # fmt: skip
+                rows.append({"sdpa": "efficient/math" if restrict else "default", "norm_first": norm_first,
+                             "batch_first": batch_first, "padded_graph_err": padded, "ragged_graph_err": ragged})  # fmt: skip
+                print(rows[-1], flush=True)
+    print(table(rows, [("sdpa", "SDPA in capture", ""), ("norm_first", "pre-norm", ""), ("batch_first", "batch first", ""),
+                       ("padded_graph_err", "padded graph err", ".2e"), ("ragged_graph_err", "ragged graph err", ".2e")]))  # fmt: skip
+    write_json("graph_check.json", {"env": env, "rows": rows})
+    return 0
+
+
+@contextlib.contextmanager
+def _unrestricted():
+    """Capture padded graphs with PyTorch's default SDPA backend choice (the suspect)."""
+    from torch.nn import attention
+
+    original = attention.sdpa_kernel
+
+    @contextlib.contextmanager
+    def any_backend(*args, **kwargs):
+        yield
+
+    attention.sdpa_kernel = any_backend
+    try:
+        yield
+    finally:
+        attention.sdpa_kernel = original
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
