@@ -20,7 +20,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
@@ -70,8 +69,11 @@ def main() -> int:
                 rows.append({"sdpa": "efficient/math" if restrict else "default", "norm_first": norm_first,
                              "batch_first": batch_first, "padded_graph_err": padded, "ragged_graph_err": ragged})  # fmt: skip
                 print(rows[-1], flush=True)
-    print(table(rows, [("sdpa", "SDPA in capture", ""), ("norm_first", "pre-norm", ""), ("batch_first", "batch first", ""),
-                       ("padded_graph_err", "padded graph err", ".2e"), ("ragged_graph_err", "ragged graph err", ".2e")]))  # fmt: skip
+    columns = [
+        ("sdpa", "SDPA in capture", ""), ("norm_first", "pre-norm", ""), ("batch_first", "batch first", ""),
+        ("padded_graph_err", "padded graph err", ".2e"), ("ragged_graph_err", "ragged graph err", ".2e"),
+    ]  # fmt: skip
+    print(table(rows, columns))
     write_json("graph_check.json", {"env": env, "rows": rows})
     return 0
 
