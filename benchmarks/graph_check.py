@@ -60,14 +60,15 @@ def main() -> int:
                 enc._autoragged.graph_min_seen = 1
                 patch = contextlib.nullcontext() if restrict else _unrestricted()
                 cfg = default_ragged_config(64, 128)
+                batches = list(enumerate(BATCHES * 2))
                 with patch:
-                    padded = max(
-                        max_err(enc, PADDED_GRAPH, PADDED, b, batch_first, i) for i, b in enumerate(BATCHES * 2)
-                    )
-                ragged = max(max_err(enc, Arm("ragged_graph", cfg), Arm("ragged", cfg), b, batch_first, i)
-                             for i, b in enumerate(BATCHES * 2))  # fmt: skip
-                rows.append({"sdpa": "efficient/math" if restrict else "default", "norm_first": norm_first,
-                             "batch_first": batch_first, "padded_graph_err": padded, "ragged_graph_err": ragged})  # fmt: skip
+                    padded = max(max_err(enc, PADDED_GRAPH, PADDED, b, batch_first, i) for i, b in batches)
+                graph, eager = Arm("ragged_graph", cfg), Arm("ragged", cfg)
+                ragged = max(max_err(enc, graph, eager, b, batch_first, i) for i, b in batches)
+                rows.append({
+                    "sdpa": "efficient/math" if restrict else "default", "norm_first": norm_first,
+                    "batch_first": batch_first, "padded_graph_err": padded, "ragged_graph_err": ragged,
+                })  # fmt: skip
                 print(rows[-1], flush=True)
     columns = [
         ("sdpa", "SDPA in capture", ""), ("norm_first", "pre-norm", ""), ("batch_first", "batch first", ""),
