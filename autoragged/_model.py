@@ -234,26 +234,41 @@ def evaluate_choices(predicted: np.ndarray, measured: np.ndarray, groups: Sequen
 
 
 def _shortlist(measurements: Sequence[Measurement], top: int = 3) -> dict[str, list[dict]]:
-    """Per signature and max_len bucket (powers of two), the ragged configs that were fastest relative to
-    the other configs measured on the same batch (geometric mean of latency / best on that batch)."""
+    """Per signature and max_len bucket (powers of two), the ragged configs worth predicting: the default
+    config first, then configs measured head to head against it on the same batches that beat it on most
+    of them by a median of at least 3% (best first). Conservative on purpose: the model ranks what is
+    here, and a config that only won on average over other batch sizes is not offered."""
+    from ._planner import default_ragged_config
+
     per_batch: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for m in measurements:
         if m.arm == "ragged" and m.config and m.extra.get("batch_id"):  # eager: configs compared alone
             per_batch[(m.signature, str(m.extra["batch_id"]))].append(m)
-    score: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    ratios: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     configs: dict[str, dict] = {}
-    for (sig, _), ms in per_batch.items():
-        best = min(m.median_ms for m in ms)
+    defaults: dict[tuple[str, int], dict] = {}
+    for (sig_key, _), ms in per_batch.items():
+        sig = ModuleSignature.from_key(sig_key)
+        default = default_ragged_config(sig.d_model // max(sig.heads, 1), ms[0].stats.max_len)
+        base = next((m for m in ms if KernelConfig.from_dict(m.config) == default), None)
         bucket = 1 << max(0, math.ceil(math.log2(max(ms[0].stats.max_len, 1))))
+        defaults[(sig_key, bucket)] = default.to_dict()
+        if base is None:
+            continue
         for m in ms:
             label = KernelConfig.from_dict(m.config).short()
-            configs[label] = m.config
-            score[(sig, bucket)][label].append(math.log(m.median_ms / best))
-            score[("*", bucket)][label].append(math.log(m.median_ms / best))
+            if m is not base:
+                configs[label] = m.config
+                ratios[(sig_key, bucket)][label].append(m.median_ms / base.median_ms)
     out: dict[str, list[dict]] = defaultdict(list)
-    for (sig, bucket), by_label in sorted(score.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        ranked = sorted(by_label, key=lambda label: (np.mean(by_label[label]), -len(by_label[label])))
-        out[sig].append({"max_len_le": bucket, "configs": [configs[label] for label in ranked[:top]]})
+    for (sig_key, bucket), default in sorted(defaults.items()):
+        by_label = ratios.get((sig_key, bucket), {})
+        winners = [
+            (float(np.median(r)), label) for label, r in by_label.items()
+            if len(r) >= 2 and float(np.median(r)) <= 0.97 and np.mean(np.asarray(r) < 1.0) > 0.5
+        ]  # fmt: skip
+        chosen = [default] + [configs[label] for _, label in sorted(winners)[: top - 1]]
+        out[sig_key].append({"max_len_le": bucket, "configs": chosen})
     return dict(out)
 
 
