@@ -63,6 +63,7 @@ DEFAULT_COLUMNS = [
     "oracle",
 ]
 ALL_COLUMNS = DEFAULT_COLUMNS[:2] + ["compile", "compile_ro"] + DEFAULT_COLUMNS[2:]
+FAILED: dict[str, str] = {}  # columns whose model failed to run, with the error
 
 
 def build_model(device) -> torch.nn.TransformerEncoder:
@@ -148,8 +149,12 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
         Lmax = CORA[name].max  # static shapes for the compiled columns: pad to the dataset's max
         xs, ms = F.pad(x, (0, 0, 0, Lmax - L)), F.pad(mask, (0, Lmax - L), value=True)
         for col in ("compile", "compile_ro"):
-            if col in cols:
-                out[col] = t(lambda c=col: models[c](xs, src_key_padding_mask=ms))
+            if col in cols and col not in FAILED:
+                try:
+                    out[col] = t(lambda c=col: models[c](xs, src_key_padding_mask=ms))
+                except Exception as e:  # noqa: BLE001 - a compiler failure is a result to report, not a crash
+                    FAILED[col] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    print(f"  {col} failed: {FAILED[col]}", flush=True)
         if cols & {"varlen", "varlen_graph"}:
             idx, cu, max_len = varlen_inputs(lengths, L, device)
             fn = lambda: models["varlen"](x, idx, cu, max_len)  # noqa: E731
@@ -301,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if short:
         summary["max_auto_vs_varlen_graph_short_rows"] = max(short)
         print(f"short rows (CoLA, MRPC, MNLI, XNLI): auto / varlen graph worst {max(short):.2f}")
+    summary["failed_columns"] = FAILED
     path = write_json("cora_table.json", {"env": env, "peak_tflops": peak, "args": vars(args), "summary": summary,
                                           "rows": rows}, args.out)  # fmt: skip
     plot(rows, path.with_suffix(".png"))
