@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
 
 import torch
@@ -52,26 +51,6 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
 
     p10, med, p90 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.1, 0.5, 0.9])
     return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
-
-
-def cuda_events_ms(fn, *, reps: int = 20, warmup: int = 3) -> dict:
-    """Median of `reps` event-timed calls of `fn` (no L2 flush: whole-model timings)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return {
-        "median_ms": statistics.median(times),
-        "p10_ms": times[max(0, len(times) // 10)],
-        "p90_ms": times[min(len(times) - 1, len(times) * 9 // 10)],
-    }
 
 
 def matmul_peak_tflops(dtype=torch.float16, n: int = 8192) -> float:

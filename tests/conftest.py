@@ -37,3 +37,19 @@ def _fresh_db(tmp_path, monkeypatch):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
+
+
+@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
+def backend(request, monkeypatch):
+    """One conformance suite, several backends: the Triton kernels (compiled on CUDA, interpreted on CPU)
+    and the PyTorch reference path. Returns the device; the reference path is forced by monkeypatching."""
+    from autoragged import _ragged, ops
+
+    device, impl = request.param
+    if impl == "reference":
+        monkeypatch.setattr(ops, "use_triton", lambda t: False)
+        monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+    return torch.device(device)

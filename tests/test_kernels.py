@@ -177,15 +177,6 @@ def test_add_layer_norm(device, dtype, n):
 
 
 # -- the public ops on RaggedTensors: one suite, both backends -----------------------------------
-BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
-
-
-@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
-def backend(request, monkeypatch):
-    device, impl = request.param
-    if impl == "reference":
-        monkeypatch.setattr(ops, "use_triton", lambda t: False)
-    return torch.device(device)
 
 
 def test_ops_keep_layout_and_zero_gaps(backend):

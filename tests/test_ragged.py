@@ -6,25 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES, triton_available
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autoragged
 from autoragged import RaggedTensor, restore_padding, strip_padding
-from autoragged import _ragged as ragged_mod
-
-BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
-
-
-@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
-def backend(request, monkeypatch):
-    device, impl = request.param
-    if impl == "reference":
-        monkeypatch.setattr(ragged_mod, "use_triton", lambda t: False)
-    else:
-        monkeypatch.setattr(ragged_mod, "use_triton", lambda t: True)
-    return torch.device(device)
 
 
 def _padded(lengths, features=(3,), dtype=torch.float32, device="cpu", extra=2):

@@ -7,24 +7,10 @@ import itertools
 import pytest
 import torch
 from _tolerance import assert_within_torch_error
-from conftest import DEVICES, triton_available
 from torch import nn
 
 import autoragged
 from autoragged import RaggedTensor
-from autoragged import _ragged as ragged_mod
-from autoragged import ops as ops_mod
-
-BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "reference" or triton_available(d)]
-
-
-@pytest.fixture(params=BACKENDS, ids=[f"{d}-{b}" for d, b in BACKENDS])
-def backend(request, monkeypatch):
-    device, impl = request.param
-    if impl == "reference":
-        monkeypatch.setattr(ops_mod, "use_triton", lambda t: False)
-        monkeypatch.setattr(ragged_mod, "use_triton", lambda t: False)
-    return torch.device(device)
 
 
 def make_encoder(*, d=64, heads=2, ff=96, layers=2, norm_first=False, activation="relu", batch_first=True,
