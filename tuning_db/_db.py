@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -225,13 +226,30 @@ def _check_location(path: Path) -> None:
         )
 
 
+def _journal_mode_wal(conn: sqlite3.Connection) -> str:
+    """Switch to WAL, retrying while another process holds the lock: the switch needs an exclusive lock and
+    SQLite can report "database is locked" at once instead of waiting out the busy timeout (seen when four
+    processes opened a fresh file together, tests/test_tuning_db.py)."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.002
+    while True:
+        try:
+            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if mode != "wal":
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            return mode
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 0.1)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """A connection with explicit transactions, usable from any thread, in WAL mode."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
     try:
-        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        if mode != "wal":
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        mode = _journal_mode_wal(conn)
         if mode != "wal":
             log.warning("tuning database %s cannot use WAL (journal_mode=%s); writers will wait on readers", path, mode)
         # In WAL mode NORMAL survives a killed process (commits are in the WAL); a power cut may lose the
