@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -520,7 +519,3 @@ def recent_decisions(model: nn.Module, n: int = 100) -> list[Decision]:
 def flush() -> int:
     """Write recorded decisions and latencies to the tuning database now; returns rows written."""
     return RECORDER.flush()
-
-
-def wrapped_modules(model: nn.Module) -> Sequence[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "_autoragged")]

@@ -129,8 +129,3 @@ class Planner:
         weight = 1.0 / n if n <= 8 else 0.125
         entry[0], entry[1] = n, entry[1] + weight * (ms - entry[1])
         self._cache.pop(key, None)
-
-    def clear(self) -> None:
-        self._cache.clear()
-        self._arms.clear()
-        self._measured.clear()

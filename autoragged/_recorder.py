@@ -97,12 +97,6 @@ class Recorder:
                     log.warning("autoragged: not recording decisions any more: %s", e)
         return written
 
-    def close(self) -> None:
-        self.flush()
-        for db in self._dbs.values():
-            db.close()
-        self._dbs.clear()
-
 
 RECORDER = Recorder()
 atexit.register(RECORDER.flush)

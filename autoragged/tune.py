@@ -185,6 +185,10 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
         study.tell(trial, timings[i].median_ms / timings[1].median_ms)
     if ctx.device.type == "cuda" and stats.batch * stats.max_len > 65536:
         torch.cuda.empty_cache()  # big batches: give the memory back before the next signature's batch
+    for a in arms:  # the kernel_configs table: each distinct config once per run
+        if a.config is not None and a.config not in ctx.registered:
+            ctx.db.register_config(a.kind, a.config.to_dict())
+            ctx.registered.add(a.config)
     now = time.time()
     return [
         Measurement(
@@ -210,6 +214,7 @@ class _Context:
     def __init__(self, db, device, key):
         self.db, self.device, self.key = db, device, key
         self._studies = {}
+        self.registered: set = set()
         self.optuna = None
 
     def study(self, sig, max_len):

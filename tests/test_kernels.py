@@ -49,7 +49,7 @@ ATTN_CONFIGS = [
 ]
 
 
-def _attention_case(device, dtype, lengths, head_dim, causal, config, align, heads=2):
+def check_attention_case(device, dtype, lengths, head_dim, causal, config, align, heads=2):
     rt = _ragged(lengths, (3, heads, head_dim), dtype, device, align)
     q, k, v = rt.values.unbind(1)  # strided views, as an encoder's fused qkv projection gives them
     offsets, dev_lengths = rt.layout.device_meta(rt.device)
@@ -76,20 +76,20 @@ def _attention_case(device, dtype, lengths, head_dim, causal, config, align, hea
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_layouts(device, dtype, layout, causal):
     config = ATTN_CONFIGS[hash((layout, causal)) % 2 + 1]
-    _attention_case(device, dtype, LAYOUTS[layout], 32, causal, config, align=8)
+    check_attention_case(device, dtype, LAYOUTS[layout], 32, causal, config, align=8)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("head_dim", k_attn.HEAD_DIMS)
 def test_attention_head_dims(device, head_dim):
-    _attention_case(device, torch.float16, [1, 40, 17], head_dim, False, ATTN_CONFIGS[1], align=1, heads=1)
+    check_attention_case(device, torch.float16, [1, 40, 17], head_dim, False, ATTN_CONFIGS[1], align=1, heads=1)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: c.short())
 @pytest.mark.parametrize("align", [1, 8, 16, 64])
 def test_attention_configs_and_aligns(device, config, align):
-    _attention_case(device, torch.float16, [5, 0, 47, 16], 64, True, config, align=align, heads=1)
+    check_attention_case(device, torch.float16, [5, 0, 47, 16], 64, True, config, align=align, heads=1)
 
 
 def test_attention_scale_argument():

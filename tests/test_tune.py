@@ -88,6 +88,8 @@ def test_tune_measures_fits_and_stores_a_model(tuned):
     assert {r.distribution for r in rows} >= {"cora_beta", "lognormal"}
     assert all(r.extra["batch_id"] for r in rows)
     assert model is not None and model.kind == _model.KIND
+    with TuningDB.open(tuned / "t.sqlite") as db:
+        assert db.counts()["kernel_configs"] >= 1  # every measured config is registered once
     for name in ("accuracy", "mean_regret", "p95_regret", "mape", "holdout", "prior_accuracy"):
         assert name in model.metrics
     assert 0.0 <= model.metrics["accuracy"] <= 1.0
