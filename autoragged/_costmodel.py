@@ -95,7 +95,7 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3  # 3: graph buckets of LADDER_VERSION 2
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",

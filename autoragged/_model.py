@@ -27,6 +27,7 @@ import numpy as np
 from kernels._config import KernelConfig
 from tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 
+from ._buckets import LADDER_VERSION
 from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, AnalyticPrior, Arm, features
 
 __all__ = ["CompiledModel", "fit_cost_model", "evaluate_choices", "KIND", "TIE"]
@@ -156,6 +157,8 @@ def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
     for m in measurements:
         if not (m.median_ms > 0 and math.isfinite(m.median_ms)):
             continue
+        if m.arm.endswith("_graph") and m.extra.get("ladder") != LADDER_VERSION:
+            continue  # a graph measured on buckets of another ladder: its work was not what features() says
         sig = ModuleSignature.from_key(m.signature)
         a = arm_of(m)
         X.append(features(sig, m.stats, [a])[0])

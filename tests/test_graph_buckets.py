@@ -48,3 +48,9 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
     assert r >= n and r % 128 == 0 and (n < 256 or r <= n * 1.2 + 128)
     b, L = padded_bucket(32, n)
     assert b == 32 and L >= n and L % 16 == 0 and (n < 16 or L <= n * 1.1 + 16)
+
+
+@pytest.mark.parametrize("n", [257, 1000, 4097, 46913, 10**6])
+def test_ragged_graph_rows_waste_at_most_a_ninth(n):
+    rows = ragged_bucket(n, 8, 64)[0]
+    assert rows >= n and rows % 128 == 0 and rows <= n * 1.095 + 128
