@@ -29,7 +29,7 @@ from torch import nn
 from kernels._config import KernelConfig
 from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
 
-from . import _graphs
+from ._buckets import LADDER_VERSION
 from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from ._device import device_key
 from ._epoch import param_epoch
@@ -190,6 +190,10 @@ class _Runtime:
             alt = self.planners[x.device].explore(stats, arm)
             if alt is not None:
                 arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
+        if ragged_in and arm.ragged and arm.config.align != src.align:
+            # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
+            # is captured for that alignment
+            arm = Arm(arm.kind, arm.config.replace(align=src.align))
         record = _Record(stats, arm, plan.predicted_ms, why, device_key(x.device), self.sig_key)
         if sampled:
             captures = self.graphs.captures if self.graphs is not None else 0
@@ -308,9 +312,7 @@ class _Runtime:
             default = default_ragged_config(head_dim, stats.max_len)
             arms = shortlist(stats) if shortlist else [Arm("ragged", default)]
             if graphs:  # replayed as graphs, with the config the tuner measures graphs with
-                arms = [*arms, Arm("ragged_graph", default)]
-                if _graphs.PADDED_GRAPHS:
-                    arms.append(PADDED_GRAPH)
+                arms = [*arms, Arm("ragged_graph", default), PADDED_GRAPH]
             return arms
 
         return Planner(self.sig, model, candidates)
@@ -352,19 +354,19 @@ class _Runtime:
             graph, note = self.graphs.ragged(self, module, arm.config, causal, stats, rows, x.dtype, x.device, io)
             if graph is None:
                 return None, note
-            with torch.inference_mode():
-                if ragged_in:
-                    return src.with_values(graph.run_values(x, lens)), None
-                out = graph.run_padded(_batch_major(x, seq_axis), lens)
-                return (out.clone() if seq_axis == 1 else out.transpose(0, 1).contiguous()), None
+            # no inference_mode here: the static buffers are plain tensors (GraphCache._get), and entering
+            # the context costs tens of microseconds of host time on a launch-bound batch
+            if ragged_in:
+                return src.with_values(graph.run_values(x, lens)), None
+            out = graph.run_padded(_batch_major(x, seq_axis), lens)
+            return (out.clone() if seq_axis == 1 else out.transpose(0, 1).contiguous()), None
         if attn_mask is not None:
             return None, "the padded graph takes no attn_mask"
         padded = _to_padded(src, 0.0, L, seq_axis) if ragged_in else x
         graph, note = self.graphs.padded(self, module, stats, L, x.dtype, x.device)
         if graph is None:
             return None, note
-        with torch.inference_mode():
-            out = graph.run(padded, lens)
+        out = graph.run(padded, lens)
         return (_from_padded(out, lens, src.align, seq_axis) if ragged_in else out), None
 
     def _execute_padded(self, module, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats, seq_axis):
@@ -404,6 +406,7 @@ class _Runtime:
             measurement = Measurement(
                 record.device.key, record.signature, record.arm.kind, config, record.stats,
                 ms, ms, ms, 1, record.time, source="runtime",
+                extra={"ladder": LADDER_VERSION} if record.arm.graph else {},
             )  # fmt: skip
             self._record(record, measurement)
 

@@ -32,12 +32,7 @@ from kernels import ragged_pack
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
 
-__all__ = ["GraphCache", "PADDED_GRAPHS"]
-
-# The padded arm as a graph: off by default. On torch 2.11 / H100 (2026-11-22) its replays differed
-# from the eager padded arm in tests/test_graphs_cuda.py; until a run shows them equal, the planner
-# does not offer it (the ragged graph, which replays exactly, covers the launch-bound batches).
-PADDED_GRAPHS = False
+__all__ = ["GraphCache"]
 
 log = logging.getLogger("autoragged")
 
@@ -101,6 +96,7 @@ class _PinnedRing:
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
         self.slot = 0
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def next(self) -> int:
         self.slot = (self.slot + 1) % len(self.buffers)
@@ -110,9 +106,24 @@ class _PinnedRing:
 
     def copy_to(self, slot: int, dst: torch.Tensor) -> None:
         dst.copy_(self.buffers[slot][: dst.numel()], non_blocking=True)
-        self.events[slot].record()
+        # Event.record() looks the current stream up through several Python layers (~30 us of host time on
+        # the H100 host); the C lookup plus a cached Stream object costs about 2 us
+        if _current_stream is None or _record is None:  # a torch without these internals: the plain way
+            self.events[slot].record()
+            self.used[slot] = True
+            return
+        ident = _current_stream(dst.device.index)
+        stream = self._streams.get(ident)
+        if stream is None:
+            stream = self._streams[ident] = torch.cuda.Stream(
+                stream_id=ident[0], device_index=ident[1], device_type=ident[2]
+            )
+        _record(self.events[slot], stream)
         self.used[slot] = True
 
+
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream_id, device_index, device_type)
+_record = torch._C._CudaEventBase.record if hasattr(torch._C, "_CudaEventBase") else None
 
 # Parameters re-registered anywhere bump `param_epoch()`; a GraphCache then re-lists its module's
 # parameters (slow) before checking their storage (fast), which also catches storage swapped under an
@@ -183,29 +194,23 @@ class _PaddedGraph:
         self.x = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self.ring = _PinnedRing(batch, torch.int32)
-        positions = torch.arange(length, dtype=torch.int32, device=device)
+        # Everything the graph reads must outlive it: static buffers live on self, never in the closure.
+        self.positions = torch.arange(length, dtype=torch.int32, device=device)
 
         def run():
-            mask = positions[None, :] >= self.lengths[:, None]
+            mask = self.positions[None, :] >= self.lengths[:, None]
             out = runtime.base.forward(module, self.x, None, mask, None)
             fill = mask[..., None] if self.batch_first else mask.t()[..., None]
             return out.masked_fill(fill, 0.0)
 
-        # Captured on PyTorch's plain path: the nested-tensor conversion synchronises (not capturable), and
-        # the fused encoder-layer fast path replayed wrong results for pre-norm layers on torch 2.11 (H100,
-        # 2026-11-22, tests/test_graphs_cuda.py). Both flags only matter while capturing.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
+        # PyTorch's nested-tensor conversion synchronises (not capturable): off while capturing. The fused
+        # encoder-layer fast path stays on (it captures and replays exactly: benchmarks/graph_check.py).
         nested = getattr(module, "use_nested_tensor", None)
-        fast = torch.backends.mha.get_fastpath_enabled()
         try:
             if nested is not None:
                 module.use_nested_tensor = False
-            torch.backends.mha.set_fastpath_enabled(False)
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                _warm_and_capture(self, run, device, pool)
+            _warm_and_capture(self, run, device, pool)
         finally:
-            torch.backends.mha.set_fastpath_enabled(fast)
             if nested is not None:
                 module.use_nested_tensor = nested
 
@@ -232,6 +237,10 @@ def _warm_and_capture(holder, run, device, pool) -> None:
     holder.graph = torch.cuda.CUDAGraph()
     with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool):
         holder.output = run()
+    # The graph reads whatever `run` read; keep its closure (and all it holds) alive with the graph. A
+    # buffer only the closure referenced was freed after capture and reused by later allocations: the
+    # padded graph's mask positions did, and its replays went wrong after the next eager allocation.
+    holder.keepalive = run
 
 
 class GraphCache:
@@ -279,7 +288,10 @@ class GraphCache:
             self.pool = torch.cuda.graph_pool_handle()
         self.captures += 1
         try:
-            graph = make()
+            # static buffers as plain tensors whatever mode the caller is in, so that replays may copy into
+            # them under no_grad, inference_mode or neither (graph arms never run with autograd on)
+            with torch.inference_mode(False), torch.no_grad():
+                graph = make()
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly, say why
             torch.cuda.synchronize()
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__

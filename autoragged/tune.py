@@ -149,7 +149,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from kernels import ragged_attention as k_attn
     from tuning_db import BatchStats, Measurement
 
-    from . import _graphs
+    from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
     from ._measure import make_batch, time_interleaved
     from ._planner import default_ragged_config
@@ -164,9 +164,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
     if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
-        arms.append(Arm("ragged_graph", default.config))
-        if _graphs.PADDED_GRAPHS:
-            arms.append(PADDED_GRAPH)
+        arms += [Arm("ragged_graph", default.config), PADDED_GRAPH]
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)
@@ -178,7 +176,8 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
                 continue
             arms.append(Arm("ragged", config))
             told.append((trial, len(arms) - 1))
-    reps = 7 if ctx.device.type == "cuda" else 3
+    # small batches take microseconds and their timings are noisy (host jitter): more repetitions there
+    reps = (15 if stats.batch * stats.max_len <= 16384 else 7) if ctx.device.type == "cuda" else 3
     fns = [lambda a=a: runner.run(a, x, mask, lengths, stats) for a in arms]
     timings = time_interleaved(fns, ctx.device, warmup=2, reps=reps)
     for trial, i in told:
@@ -204,7 +203,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
             now,
             source="tune",
             distribution=family,
-            extra={"batch_id": batch_id},
+            extra={"batch_id": batch_id, **({"ladder": LADDER_VERSION} if a.graph else {})},
         )  # fmt: skip
         for a, t in zip(arms, timings)
     ]
@@ -262,7 +261,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     sigs = [signature_of(r.encoder) for r in runners]
     trials = args.trials if args.trials is not None else ((1 if args.quick else 2) if on_gpu else 0)
     ctx = _Context(db, device, key)
-    plan_name = f"v1|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"
+    plan_name = f"v2|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"
     done = db.done_items(key.key, plan_name)
     total_s = args.budget * 60 if not args.quick else min(args.budget * 60, 60.0)
     budget_s = total_s - min(45.0, 0.08 * total_s)  # what is left is for fitting and evaluating the model

@@ -44,7 +44,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
@@ -176,9 +175,7 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
         if "oracle" in cols:
             stats = BatchStats.from_lengths(tuple(lengths))
             cfg = default_ragged_config(D // CORA_MODEL["heads"], L)
-            arms = [PADDED, Arm("ragged", cfg), Arm("ragged_graph", cfg)] + (
-                [PADDED_GRAPH] if _graphs.PADDED_GRAPHS else []
-            )
+            arms = [PADDED, Arm("ragged", cfg), Arm("ragged_graph", cfg), PADDED_GRAPH]
             runner = models["oracle"]
             out["oracle"] = min(t(lambda a=a: runner.run(a, x, mask, tuple(lengths), stats)) for a in arms)
     return out, chosen

@@ -53,15 +53,10 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
         eager_p, _ = run(enc, PADDED, lengths, batch_first=batch_first, seed=i)
         graph_p, note_p = run(enc, PADDED_GRAPH, lengths, batch_first=batch_first, seed=i)
         assert note_r is None and note_p is None, (note_r, note_p)
-        if not _graphs.PADDED_GRAPHS:  # off by default (see _graphs.PADDED_GRAPHS): only the ragged graph
-            torch.testing.assert_close(
-                real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
-            )
-            continue
         torch.testing.assert_close(
             real(graph_r, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
         )
-        # the padded graph is PyTorch's plain path, eager padded may take its fused fast path: fp16-level
+        # eager padded may take the nested-tensor path, the padded graph cannot: fp16-level differences
         torch.testing.assert_close(
             real(graph_p, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=1e-2, atol=1e-2
         )
@@ -160,3 +155,29 @@ def test_wrapped_auto_model_uses_graphs_and_stays_right():
     for y in outs:
         torch.testing.assert_close(real(y, lengths), real(ref, lengths), rtol=2e-2, atol=2e-2)
     assert arms  # which arm won is the planner's business; every one of them must be right
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_ragged_input_replays_a_graph_of_its_own_alignment(align):
+    """FFD bins come as align-16 RaggedTensors: the graph arm runs on their layout instead of refusing."""
+    enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    rt_.graph_min_seen = 1
+    lengths = [50, 7, 33, 1, 64]
+    torch.manual_seed(0)
+    x = torch.randn(len(lengths), 64, D, device="cuda", dtype=torch.float16)
+    src = autoragged.RaggedTensor.from_padded(x, lengths, align=align)
+    stats = BatchStats.from_lengths(tuple(lengths))
+    cfg = default_ragged_config(D // H, 64).replace(align=align)
+    outs = []
+    for arm in (Arm("ragged_graph", cfg), Arm("ragged", cfg)):
+        for _ in range(2):  # the second graph call replays what the first captured
+            with torch.inference_mode():
+                y, note = rt_._execute(enc, arm, src, src.values, True, None, None, None, tuple(lengths), 64, stats)
+            assert note is None, note
+        outs.append(y.to_padded())
+    torch.testing.assert_close(real(outs[0], lengths), real(outs[1], lengths), rtol=2e-3, atol=2e-3)
+    with torch.inference_mode():  # through the wrapped call: the recorded arm carries the input's alignment
+        enc(src)
+    (decision,) = autoragged.recent_decisions(enc, 1)
+    assert decision.arm.startswith("padded") or decision.config["align"] == align

@@ -108,6 +108,8 @@ def test_lengths_and_ragged_inputs(backend):
         both = enc(x, src_key_padding_mask=mask, lengths=LENGTHS)
         rt = RaggedTensor.from_padded(x, LENGTHS, align=16)
         out = enc(rt)
+        # a RaggedTensor runs on its own layout, and the record says so
+        assert autoragged.recent_decisions(enc, 1)[0].config["align"] == 16
         enc._autoragged.policy = "padded"
         out_padded_arm = enc(rt)
     for y in (by_lengths, both):
