@@ -123,7 +123,7 @@ class _PinnedRing:
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream_id, device_index, device_type)
-_record = torch._C._CudaEventBase.record if hasattr(torch._C, "_CudaEventBase") else None
+_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)  # Event.record minus the lookup
 
 # Parameters re-registered anywhere bump `param_epoch()`; a GraphCache then re-lists its module's
 # parameters (slow) before checking their storage (fast), which also catches storage swapped under an
