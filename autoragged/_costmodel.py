@@ -95,12 +95,16 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 3  # 3: graph buckets of LADDER_VERSION 2
+FEATURE_VERSION = 4  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
     "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes", "padded_nested",
     "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas", "graph",
+    # the batch as each graph arm would run it, on every row: the trees compare the two graph arms
+    # directly (they were most of the held-out mistakes without these: H100, 2026-11-22)
+    "log2_padded_bucket_rows", "log2_ragged_bucket_rows", "bucket_rows_ratio", "log2_sum_sq",
+    "log2_padded_bucket_attention",
 )  # fmt: skip
 
 
@@ -117,6 +121,12 @@ def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.nda
         math.log2(max(sig.d_model, 1)), math.log2(max(sig.ff, 1)), sig.heads, sig.layers,
         4 if sig.dtype == "float32" else 2, float(sig.nested),
     ]  # fmt: skip
+    padded_rows = stats.batch * padded_bucket(stats.batch, stats.max_len)[1]
+    ragged_rows = ragged_bucket(stats.total, stats.batch, stats.max_len)[0]
+    buckets = [
+        math.log2(max(padded_rows, 1)), math.log2(max(ragged_rows, 1)), padded_rows / max(ragged_rows, 1),
+        math.log2(max(stats.sum_sq, 1)), math.log2(max(padded_rows * padded_bucket(stats.batch, stats.max_len)[1], 1)),
+    ]  # fmt: skip
     for i, arm in enumerate(arms):
         w = work(sig, stats, arm)
         c = arm.config
@@ -127,7 +137,7 @@ def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.nda
         out[i] = common + [
             math.log2(max(w.rows, 1)), math.log2(max(w.linear_flops / 1e9, 1e-9)),
             math.log2(max(w.attention_flops / 1e9, 1e-9)), math.log2(max(w.bytes / 1e6, 1e-9)),
-        ] + dims + knobs  # fmt: skip
+        ] + dims + knobs + buckets  # fmt: skip
     return out
 
 

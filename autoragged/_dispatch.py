@@ -7,7 +7,9 @@ instance attribute `_autoragged` (a plain object, not a submodule).
 
 One batch (`_Runtime.run`):
  1. lengths: `lengths=` or a RaggedTensor input (no device sync), or the key padding mask (one small
-    device->host copy), or "all real" when there is neither;
+    device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape the
+    padded side keeps winning (the copy's cost counted against the ragged arms) skips the copy and
+    runs padded on the mask; its stats reach the record later, without a sync;
  2. `BatchStats` on the host;
  3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
     reason is recorded), or chosen by the planner;
@@ -45,6 +47,13 @@ log = logging.getLogger("autoragged")
 POLICIES = ("auto", "padded", "ragged")
 _RING = 10_000
 _SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
+# Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once the planner
+# judged a (B, L) shape padded-side _TRUST times in a row, counting that cost against the ragged arms,
+# batches of the shape skip the read (every _RECHECK-th still reads, to notice a change), and the
+# padded arm runs on the mask itself (the padded graph copies it in: nothing synchronises).
+_TRUST = 3
+_RECHECK = 16
+_MAX_SHAPES = 4096
 
 
 # -- the dispatching classes ----------------------------------------------------------------------
@@ -100,19 +109,49 @@ def signature_of(module: nn.Module) -> ModuleSignature:
 
 # -- per-module runtime state ---------------------------------------------------------------------
 class _Record:
-    """A decision on its way out: cheap to make on the hot path, a `Decision` when read."""
+    """A decision on its way out: cheap to make on the hot path, a `Decision` when read.
 
-    __slots__ = ("time", "stats", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
+    The stats of a batch whose lengths were not read on the hot path arrive later: `defer` copies the
+    per-row pad counts to the host without waiting, and the first read of `stats` (the recorder's thread,
+    a harvest, `recent_decisions`) waits for that copy."""
+
+    __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
 
     def __init__(self, stats, arm, predicted_ms, reason, device, signature):
         self.time = time.time()
-        self.stats = stats
+        self._stats = stats
+        self._pending = None
         self.arm = arm
         self.predicted_ms = predicted_ms
         self.reason = reason
         self.measured_ms = None
         self.device = device
         self.signature = signature
+
+    def defer(self, pads: torch.Tensor, width: int, L: int) -> None:
+        """Stats of a (B, L) batch from `pads` (B,) int32, each row's pad count over `width` >= L columns,
+        read when needed."""
+        if pads.is_cuda:
+            from ._graphs import record_event
+
+            host = torch.empty(pads.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(pads, non_blocking=True)
+            event = torch.cuda.Event()
+            record_event(event, pads.device.index)
+            self._pending = (host, event, width, L)
+        else:
+            self._pending = (pads, None, width, L)
+
+    @property
+    def stats(self) -> BatchStats:
+        pending = self._pending
+        if pending is not None:
+            host, event, width, L = pending
+            if event is not None:
+                event.synchronize()
+            self._stats = BatchStats.from_lengths(tuple(width - p for p in host.tolist()), padded_len=L)
+            self._pending = None
+        return self._stats
 
     def decision(self) -> Decision:
         config = None if self.arm.config is None else self.arm.config.to_dict()
@@ -153,11 +192,13 @@ class _Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
         self.count = 0
+        self.mask_shapes: dict[tuple[int, int], list] = {}  # (B, L) -> [padded-side verdicts in a row, arm, batches]
+        self.sync_ms: float | None = None  # host time of reading lengths from a mask (moving average)
 
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None)
+        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={})
         return state
 
     # -- the hot path -------------------------------------------------------------------------
@@ -170,11 +211,23 @@ class _Runtime:
                                  device_key(self._param().device), self.sig_key))  # fmt: skip
             return self.base.forward(module, src, attn_mask, kpm, is_causal)
         reason = self.static_reason or self._dynamic_reason(module, x, attn_mask, kpm, is_causal)
+        mask_only = False
         if ragged_in:
             lens, L = src.lengths, src.max_len
         else:
             B, L = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
+            mask_only = lengths is None and kpm is not None and not reason and self.policy == "auto"
+            if mask_only:
+                shape = self.mask_shapes.get((B, L))
+                if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
+                    shape[2] += 1
+                    if shape[2] % _RECHECK:
+                        return self._run_unread(module, x, kpm, B, L, shape[1])
+                t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
+            if mask_only:
+                ms = (time.perf_counter() - t0) * 1e3
+                self.sync_ms = ms if self.sync_ms is None else self.sync_ms + 0.125 * (ms - self.sync_ms)
             if not_prefix is not None and not reason:
                 reason = f"key padding mask row {not_prefix} is not right-padded"
         stats = BatchStats.from_lengths(lens, padded_len=L)
@@ -184,6 +237,8 @@ class _Runtime:
         plan = self._plan(x.device, stats, reason)
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
+        if mask_only and free:
+            self._judge_shape(B, L, plan.predicted_ms)
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
         if sampled and self.explore and free:
@@ -219,6 +274,60 @@ class _Runtime:
         if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
             self._log_summary()
         return out
+
+    def _judge_shape(self, B: int, L: int, predicted: dict[str, float]) -> None:
+        """Would the padded side have won this mask-only batch even without reading its lengths?"""
+        padded = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
+        ragged = [v for k, v in predicted.items() if k not in padded]
+        if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
+            self.mask_shapes.clear()
+        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0])
+        best = min(padded, key=padded.get) if padded else None
+        if best is not None and (not ragged or padded[best] <= min(ragged) + (self.sync_ms or 0.0)):
+            entry[0] += 1
+            entry[1] = PADDED_GRAPH if best == "padded_graph" else PADDED
+        else:
+            entry[0] = 0
+
+    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm):
+        """A mask-only batch of a shape the padded side wins: run it on the mask, lengths never read."""
+        self.count += 1
+        why = f"padded side wins on (B={B}, L={L}) even before reading lengths from the mask; not read"
+        out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm)
+        if note is not None:
+            arm, why = PADDED, f"{why}; {note}"
+        record = _Record(None, arm, {}, why, device_key(x.device), self.sig_key)
+        record.defer(pads, width, L)
+        self._record(record)
+        if self.pending:
+            self._harvest()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autoragged %s: B=%d L=%d (lengths not read) -> %s", self.sig_key, B, L, arm.label)
+        if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
+            self._log_summary()
+        return out
+
+    def _execute_unread(self, module, x, kpm, B: int, L: int, arm: Arm):
+        """(output, per-row pad counts, the columns they count over, None) of a padded arm run on the mask
+        itself; the note says why a graph arm ran eagerly instead."""
+        note = None
+        if not arm.graph:
+            pass
+        elif not x.is_cuda:
+            note = "CUDA graphs need a GPU"
+        elif not self.graphs_enabled:
+            note = "graphs are off (wrap(graphs=False))"
+        else:
+            if self.graphs is None:
+                from ._graphs import GraphCache
+
+                self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
+            graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
+            if graph is not None:
+                return graph.run_mask(x, kpm), graph.pads, graph.length, None
+        out = self.base.forward(module, x, None, kpm, None)
+        out = out.masked_fill(kpm[..., None] if self.batch_first else kpm.t()[..., None], 0.0)
+        return out, kpm.sum(1, dtype=torch.int32), L, note
 
     def _log_summary(self) -> None:
         """One INFO line about the last _SUMMARY_EVERY batches of this module."""
@@ -363,7 +472,7 @@ class _Runtime:
         if attn_mask is not None:
             return None, "the padded graph takes no attn_mask"
         padded = _to_padded(src, 0.0, L, seq_axis) if ragged_in else x
-        graph, note = self.graphs.padded(self, module, stats, L, x.dtype, x.device)
+        graph, note = self.graphs.padded(self, module, stats.batch, L, x.dtype, x.device)
         if graph is None:
             return None, note
         out = graph.run(padded, lens)

@@ -32,7 +32,7 @@ from kernels import ragged_pack
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
 
-__all__ = ["GraphCache"]
+__all__ = ["GraphCache", "record_event"]
 
 log = logging.getLogger("autoragged")
 
@@ -96,7 +96,6 @@ class _PinnedRing:
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
         self.slot = 0
-        self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     def next(self) -> int:
         self.slot = (self.slot + 1) % len(self.buffers)
@@ -106,24 +105,28 @@ class _PinnedRing:
 
     def copy_to(self, slot: int, dst: torch.Tensor) -> None:
         dst.copy_(self.buffers[slot][: dst.numel()], non_blocking=True)
-        # Event.record() looks the current stream up through several Python layers (~30 us of host time on
-        # the H100 host); the C lookup plus a cached Stream object costs about 2 us
-        if _current_stream is None or _record is None:  # a torch without these internals: the plain way
-            self.events[slot].record()
-            self.used[slot] = True
-            return
-        ident = _current_stream(dst.device.index)
-        stream = self._streams.get(ident)
-        if stream is None:
-            stream = self._streams[ident] = torch.cuda.Stream(
-                stream_id=ident[0], device_index=ident[1], device_type=ident[2]
-            )
-        _record(self.events[slot], stream)
+        record_event(self.events[slot], dst.device.index)
         self.used[slot] = True
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream_id, device_index, device_type)
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None)  # Event.record minus the lookup
+_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def record_event(event: torch.cuda.Event, device_index: int) -> None:
+    """event.record() on the current stream of `device_index`. Event.record() looks the stream up through
+    several Python layers (~30 us of host time on the H100 host); the C lookup and a cached Stream
+    object cost about 2 us."""
+    if _current_stream is None or _record is None:  # a torch without these internals: the plain way
+        event.record()
+        return
+    ident = _current_stream(device_index)
+    stream = _STREAMS.get(ident)
+    if stream is None:
+        stream = _STREAMS[ident] = torch.cuda.Stream(stream_id=ident[0], device_index=ident[1], device_type=ident[2])
+    _record(event, stream)
+
 
 # Parameters re-registered anywhere bump `param_epoch()`; a GraphCache then re-lists its module's
 # parameters (slow) before checking their storage (fast), which also catches storage swapped under an
@@ -186,19 +189,31 @@ class _RaggedGraph:
 
 
 class _PaddedGraph:
+    """io="lengths": the key padding mask is built in the graph from static host-given lengths (`run`);
+    io="mask": the caller's mask is copied into a static one (`run_mask`), so no lengths are needed and
+    nothing synchronises; the graph also counts each row's pads for the decision record."""
+
     def __init__(self, runtime, module, key, dtype, device, pool):
-        batch, length = key[1], key[2]
+        batch, length, io = key[1], key[2], key[3]
         D = runtime.layers[0].self_attn.embed_dim
-        self.batch_first = runtime.batch_first
+        self.batch_first, self.length = runtime.batch_first, length
         shape = (batch, length, D) if self.batch_first else (length, batch, D)
         self.x = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
-        self.ring = _PinnedRing(batch, torch.int32)
         # Everything the graph reads must outlive it: static buffers live on self, never in the closure.
-        self.positions = torch.arange(length, dtype=torch.int32, device=device)
+        if io == "mask":
+            self.mask = torch.ones(batch, length, dtype=torch.bool, device=device)  # True = pad
+            self._filled_from = length  # mask[:, n:] is all True for every n >= this
+        else:
+            self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+            self.ring = _PinnedRing(batch, torch.int32)
+            self.positions = torch.arange(length, dtype=torch.int32, device=device)
 
         def run():
-            mask = self.positions[None, :] >= self.lengths[:, None]
+            if io == "mask":
+                mask = self.mask
+                self.pads = mask.sum(1, dtype=torch.int32)
+            else:
+                mask = self.positions[None, :] >= self.lengths[:, None]
             out = runtime.base.forward(module, self.x, None, mask, None)
             fill = mask[..., None] if self.batch_first else mask.t()[..., None]
             return out.masked_fill(fill, 0.0)
@@ -223,6 +238,22 @@ class _PaddedGraph:
             self.x[:, :L].copy_(x)
         else:
             self.x[:L].copy_(x)
+        self.graph.replay()
+        return (self.output[:, :L] if self.batch_first else self.output[:L]).clone()
+
+    def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x as the module takes it, mask (B, L) bool, True = pad (any pattern, not only right padding).
+        Returns the output; `self.pads` holds each row's pad count over the bucket's `self.length` columns
+        until the next replay."""
+        L = mask.shape[1]
+        if self.batch_first:
+            self.x[:, :L].copy_(x)
+        else:
+            self.x[:L].copy_(x)
+        self.mask[:, :L].copy_(mask)
+        if L < self._filled_from:  # columns a longer batch wrote must read as pad again
+            self.mask[:, L:].fill_(True)
+        self._filled_from = L
         self.graph.replay()
         return (self.output[:, :L] if self.batch_first else self.output[:L]).clone()
 
@@ -308,7 +339,7 @@ class GraphCache:
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
         return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
 
-    def padded(self, runtime, module, stats, seq_len, dtype, device):
+    def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths"):
         self._check_params(module)
-        key = ("padded", *padded_bucket(stats.batch, seq_len))
+        key = ("padded", *padded_bucket(batch, seq_len), io)
         return self._get(key, lambda: _PaddedGraph(runtime, module, key, dtype, device, self.pool))

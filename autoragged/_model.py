@@ -10,8 +10,10 @@ with numpy, all trees and arms at once. scikit-learn is imported only to fit.
 
 Evaluation (`fit_cost_model`): leave one length-distribution family out at a time; on each held-out
 batch the model's argmin over the arms measured on that batch is compared with the measured best:
-decision accuracy (the choice is the best arm or within 1% of it: a tie at noise level), mean and
-p95 regret (chosen / best - 1) and MAPE of the latency predictions.
+decision accuracy (the choice is the best arm or within 1% of it: a tie at noise level), the same
+accuracy counting as right a choice whose measured p10 is within the best arm's p90 (the label itself
+is within its measurement noise), mean and p95 regret (chosen / best - 1) and MAPE of the latency
+predictions.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class _Rows:
     y: np.ndarray  # log residual over the prior
     prior: np.ndarray
     ms: np.ndarray
+    p10: np.ndarray
+    p90: np.ndarray
     group: list[str]  # the batch a row was measured on ("" for traffic samples)
     family: list[str]
     arm: list[str]
@@ -153,7 +157,7 @@ class _Rows:
 
 def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
     prior = AnalyticPrior(device)
-    X, y, p, ms, group, family, arm = [], [], [], [], [], [], []
+    X, y, p, ms, p10, p90, group, family, arm = [], [], [], [], [], [], [], [], []
     for m in measurements:
         if not (m.median_ms > 0 and math.isfinite(m.median_ms)):
             continue
@@ -165,11 +169,14 @@ def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
         p_ms = float(prior.predict_ms(sig, m.stats, [a])[0])
         p.append(p_ms)
         ms.append(m.median_ms)
+        p10.append(min(m.p10_ms, m.median_ms))
+        p90.append(max(m.p90_ms, m.median_ms))
         y.append(math.log(m.median_ms) - math.log(p_ms))
         group.append(str(m.extra.get("batch_id", "")))
         family.append(m.distribution or "traffic")
         arm.append(a.label)
-    return _Rows(np.asarray(X), np.asarray(y), np.asarray(p), np.asarray(ms), group, family, arm)
+    arrays = [np.asarray(v) for v in (X, y, p, ms, p10, p90)]
+    return _Rows(*arrays, group, family, arm)
 
 
 def _fit_trees(X: np.ndarray, y: np.ndarray, seed: int = 0):
@@ -202,26 +209,35 @@ def _compile(fitted, device: DeviceKey, candidates: dict) -> CompiledModel:
     return CompiledModel(device, baseline, trees, np.asarray(roots), depth, candidates)
 
 
-def evaluate_choices(predicted: np.ndarray, measured: np.ndarray, groups: Sequence[str]) -> dict[str, float]:
-    """Decision quality over batches measured on several arms: accuracy, regret, and MAPE."""
+def evaluate_choices(
+    predicted: np.ndarray,
+    measured: np.ndarray,
+    groups: Sequence[str],
+    p10: np.ndarray | None = None,
+    p90: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Decision quality over batches measured on several arms: accuracy (and, given each measurement's
+    p10 / p90, accuracy within the measurement noise), regret, and MAPE."""
     by_group: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         if g:
             by_group[g].append(i)
-    correct, regrets = [], []
+    correct, within_noise, regrets = [], [], []
     for idx in by_group.values():
         if len(idx) < 2:
             continue
         idx = np.asarray(idx)
-        best = measured[idx].min()
-        chosen = measured[idx[np.argmin(predicted[idx])]]
+        b, c = idx[np.argmin(measured[idx])], idx[np.argmin(predicted[idx])]
+        best, chosen = measured[b], measured[c]
         regrets.append(chosen / best - 1.0)
         correct.append(chosen <= best * (1 + TIE))
+        within_noise.append(correct[-1] or (p10 is not None and p90 is not None and p10[c] <= p90[b]))
     mape = float(np.mean(np.abs(predicted - measured) / measured)) if len(measured) else float("nan")
     if not regrets:
         return {
             "batches": 0,
             "accuracy": float("nan"),
+            "accuracy_within_noise": float("nan"),
             "mean_regret": float("nan"),
             "p95_regret": float("nan"),
             "mape": mape,
@@ -230,6 +246,7 @@ def evaluate_choices(predicted: np.ndarray, measured: np.ndarray, groups: Sequen
     return {
         "batches": len(regrets),
         "accuracy": float(np.mean(correct)),
+        "accuracy_within_noise": float(np.mean(within_noise)),
         "mean_regret": float(r.mean()),
         "p95_regret": float(np.quantile(r, 0.95)),
         "mape": mape,
@@ -299,8 +316,9 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
         predicted[test] = rows.prior[test] * np.exp(fitted.residual(rows.X[test]))
     evaluated = ~np.isnan(predicted)
     metrics = evaluate_choices(
-        predicted[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
-    )
+        predicted[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e],
+        rows.p10[evaluated], rows.p90[evaluated],
+    )  # fmt: skip
     prior_metrics = evaluate_choices(
         rows.prior[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
     )

@@ -616,7 +616,8 @@ def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
         ("held out", c.holdout or "-"),
         ("fit rows", "-" if c.rows is None else str(c.rows)),
     ]
-    for name, label, digits in (("prior_accuracy", "analytic prior's accuracy (held out)", 1),
+    for name, label, digits in (("accuracy_within_noise", "accuracy, ties within measurement noise (held out)", 1),
+                                ("prior_accuracy", "analytic prior's accuracy (held out)", 1),
                                 ("prior_mean_regret", "analytic prior's mean regret (held out)", 2)):  # fmt: skip
         if _metric(c.metrics, name) is not None:
             rows.append((label, _pct(_metric(c.metrics, name), digits)))

@@ -336,6 +336,7 @@ def _fit_and_store(db, key) -> int:
     print("  | metric | learned model | analytic prior |")
     print("  |---|---|---|")
     print(f"  | decision accuracy | {pct(metrics['accuracy'])} | {pct(metrics['prior_accuracy'])} |")
+    print(f"  | accuracy, ties within measurement noise | {pct(metrics.get('accuracy_within_noise'))} | - |")
     print(f"  | mean regret | {pct(metrics['mean_regret'], 2)} | {pct(metrics['prior_mean_regret'], 2)} |")
     print(f"  | p95 regret | {pct(metrics['p95_regret'], 2)} | - |")
     print(f"  | latency MAPE | {pct(metrics['mape'])} | - |")

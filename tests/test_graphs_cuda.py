@@ -181,3 +181,35 @@ def test_ragged_input_replays_a_graph_of_its_own_alignment(align):
         enc(src)
     (decision,) = autoragged.recent_decisions(enc, 1)
     assert decision.arm.startswith("padded") or decision.config["align"] == align
+
+
+def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
+    """The unread mask path: a shape the padded side wins runs the padded graph on the mask itself; batches
+    of several lengths share its bucket (columns a longer batch wrote must read as pad again)."""
+    from autoragged import _dispatch as dispatch
+
+    enc = encoder()
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    rt_.graph_min_seen = 1
+    B = 4
+    for i, L in enumerate([100, 100, 100, 100, 97, 100, 90]):  # one bucket, trusted per (B, L)
+        lengths = [L, L // 2, 3, 1 + i]
+        torch.manual_seed(i)
+        x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+        mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0]  # as if judged _TRUST times already
+        with torch.inference_mode():
+            if i >= 1:  # captured by now: a replay fed the mask must not synchronise
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = enc(x, src_key_padding_mask=mask)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want, _ = run(enc, PADDED, lengths, L=L, seed=i)
+        d = autoragged.recent_decisions(enc, 1)[0]  # the wrapped call's record (run() adds none)
+        assert "not read" in d.reason and d.arm == "padded_graph", d.reason
+        assert d.stats.total == sum(lengths)
+        torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=1e-2, atol=1e-2)
+        assert all((y[j, n:] == 0).all() for j, n in enumerate(lengths))

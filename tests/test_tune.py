@@ -53,6 +53,13 @@ def test_evaluate_choices_on_a_hand_made_case():
     m = _model.evaluate_choices(predicted, measured, ["a", "a", "b", "b", "c", "c"])
     assert m["batches"] == 3 and m["accuracy"] == pytest.approx(2 / 3)
     assert m["mean_regret"] == pytest.approx((1.0 + 0.0 + 0.005) / 3)
+    # batch a's wrong pick (2.0) counts as within noise only when its p10 reaches the best arm's p90
+    for best_p90, within in [(1.5, 2 / 3), (1.9, 1.0)]:
+        p10, p90 = measured * 0.95, measured * 1.05
+        p10[1], p90[0] = 1.9, best_p90
+        n = _model.evaluate_choices(predicted, measured, ["a", "a", "b", "b", "c", "c"], p10, p90)
+        assert n["accuracy"] == m["accuracy"] and n["accuracy_within_noise"] == pytest.approx(within)
+    assert m["accuracy_within_noise"] == m["accuracy"]  # no spreads given: only the 1% ties
 
 
 @pytest.fixture(autouse=True, scope="module")

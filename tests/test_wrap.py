@@ -4,12 +4,14 @@ routing of unsupported cases with their reasons; unwrap; the decision record."""
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from _tolerance import assert_within_torch_error
 from torch import nn
 
 import autoragged
+import autoragged._dispatch as dispatch
 from autoragged import RaggedTensor
 
 
@@ -305,3 +307,70 @@ def test_decisions_are_logged(caplog):
     debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "B=2 max_len=5 total=8" in r.getMessage()]
     info = [r for r in caplog.records if r.levelno == logging.INFO and "batches so far" in r.getMessage()]
     assert len(debug) == 2 and len(info) == 1
+
+
+class _Prefers:
+    """A cost model that makes one side cheapest (the padded arms, or the ragged ones)."""
+
+    name = "fake"
+
+    def __init__(self, padded: bool):
+        self.padded = padded
+
+    def predict_ms(self, sig, stats, arms):
+        return np.array([1.0 if arm.kind.startswith("padded") == self.padded else 2.0 for arm in arms])
+
+
+def _with_model(enc, model):
+    from autoragged._planner import Planner
+
+    rt = enc._autoragged
+    rt.planners[torch.device("cpu")] = Planner(rt.sig, model)
+
+
+@pytest.mark.parametrize("padded_wins", [True, False])
+def test_mask_only_batches_of_a_padded_shape_skip_reading_lengths(monkeypatch, padded_wins):
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=mask)
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    _with_model(enc, _Prefers(padded=padded_wins))
+    reads = []
+    real = dispatch.mask_lengths
+    monkeypatch.setattr(dispatch, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
+    n = dispatch._TRUST + 2 * dispatch._RECHECK
+    with torch.no_grad():
+        outs = [enc(x, src_key_padding_mask=mask) for _ in range(n)]
+    for y in outs:
+        torch.testing.assert_close(real_tokens(y, LENGTHS), real_tokens(ref, LENGTHS), rtol=1e-4, atol=1e-4)
+        assert (pads(y, LENGTHS) == 0).all()
+    decisions = autoragged.recent_decisions(enc, n)
+    if padded_wins:  # read until trusted, then once every _RECHECK batches of the shape
+        assert len(reads) == dispatch._TRUST + 2
+        unread = [d for d in decisions if "not read" in d.reason]
+        assert len(unread) == n - len(reads) and all(d.arm == "padded" for d in unread)
+    else:
+        assert len(reads) == n and not any("not read" in d.reason for d in decisions)
+    # stats of every record are the batch's, whether its lengths were read on the hot path or later
+    assert all(d.stats.total == sum(LENGTHS) and d.stats.max_len == max(LENGTHS) for d in decisions)
+
+
+def test_an_unread_batch_with_left_padding_is_still_right():
+    """Only right-padded batches make a shape trusted, but a trusted shape may then see any mask: the
+    padded arm takes every mask as it is."""
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    _with_model(enc, _Prefers(padded=True))
+    with torch.no_grad():
+        for _ in range(dispatch._TRUST):
+            enc(x, src_key_padding_mask=mask)
+        left = mask.flip(1)
+        got = enc(x, src_key_padding_mask=left)
+        assert "not read" in autoragged.recent_decisions(enc, 1)[0].reason
+        autoragged.unwrap(enc)
+        want = enc(x, src_key_padding_mask=left).masked_fill(left[..., None], 0.0)
+    keep = ~left
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+    assert (got[left] == 0).all()
