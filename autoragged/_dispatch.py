@@ -21,6 +21,7 @@ One batch (`_Runtime.run`):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -128,29 +129,26 @@ class _Record:
         self.device = device
         self.signature = signature
 
-    def defer(self, pads: torch.Tensor, width: int, L: int) -> None:
+    def defer(self, pads: torch.Tensor, width: int, L: int, ring: _PadsRing | None) -> None:
         """Stats of a (B, L) batch from `pads` (B,) int32, each row's pad count over `width` >= L columns,
-        read when needed."""
+        read when needed (a CUDA `pads` goes through `ring`, without waiting)."""
         if pads.is_cuda:
-            from ._graphs import record_event
-
-            host = torch.empty(pads.shape, dtype=torch.int32, pin_memory=True)
-            host.copy_(pads, non_blocking=True)
-            event = torch.cuda.Event()
-            record_event(event, pads.device.index)
+            host, event = ring.put(pads, self)
             self._pending = (host, event, width, L)
         else:
             self._pending = (pads, None, width, L)
 
     @property
     def stats(self) -> BatchStats:
-        pending = self._pending
-        if pending is not None:
-            host, event, width, L = pending
-            if event is not None:
-                event.synchronize()
-            self._stats = BatchStats.from_lengths(tuple(width - p for p in host.tolist()), padded_len=L)
-            self._pending = None
+        if self._pending is not None:
+            with _RESOLVE:  # the recorder's thread and the hot path (a ring slot's reuse) may both get here
+                pending = self._pending
+                if pending is not None:
+                    host, event, width, L = pending
+                    if event is not None:
+                        event.synchronize()
+                    self._stats = BatchStats.from_lengths(tuple(width - p for p in host.tolist()), padded_len=L)
+                    self._pending = None
         return self._stats
 
     def decision(self) -> Decision:
@@ -159,6 +157,38 @@ class _Record:
             self.time, self.device.key, self.signature, self.stats, self.arm.kind, config,
             dict(self.predicted_ms), self.reason, self.measured_ms,
         )  # fmt: skip
+
+
+_RESOLVE = threading.Lock()
+
+
+class _PadsRing:
+    """Pinned host slots for the pad counts of batches whose lengths were not read: one non-blocking copy
+    and one event per batch, no allocation. A slot's previous record is resolved before the slot is
+    reused (its copy, `slots` batches old, is long done); records read earlier resolve themselves."""
+
+    def __init__(self, device: torch.device, slots: int = 64):
+        self.device, self.slots, self.width, self.i = device, slots, 0, 0
+        self.host = None
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.owners: list[_Record | None] = [None] * slots
+
+    def put(self, pads: torch.Tensor, record: _Record):
+        from ._graphs import record_event
+
+        B = pads.shape[0]
+        if B > self.width:  # records still pending keep views of the old buffer alive
+            self.width = max(B, 2 * self.width)
+            self.host = torch.empty(self.slots, self.width, dtype=torch.int32, pin_memory=True)
+        self.i = i = (self.i + 1) % self.slots
+        previous = self.owners[i]
+        if previous is not None and previous._pending is not None:
+            previous.stats  # noqa: B018 - resolve it before its slot is overwritten
+        view = self.host[i, :B]
+        view.copy_(pads, non_blocking=True)
+        record_event(self.events[i], self.device.index)
+        self.owners[i] = record
+        return view, self.events[i]
 
 
 class _Runtime:
@@ -194,11 +224,13 @@ class _Runtime:
         self.count = 0
         self.mask_shapes: dict[tuple[int, int], list] = {}  # (B, L) -> [padded-side verdicts in a row, arm, batches]
         self.sync_ms: float | None = None  # host time of reading lengths from a mask (moving average)
+        self.pads_ring: _PadsRing | None = None
 
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={})
+        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
+                     pads_ring=None)  # fmt: skip
         return state
 
     # -- the hot path -------------------------------------------------------------------------
@@ -297,7 +329,9 @@ class _Runtime:
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
         record = _Record(None, arm, {}, why, device_key(x.device), self.sig_key)
-        record.defer(pads, width, L)
+        if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
+            self.pads_ring = _PadsRing(pads.device)
+        record.defer(pads, width, L, self.pads_ring)
         self._record(record)
         if self.pending:
             self._harvest()

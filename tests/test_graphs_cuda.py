@@ -213,3 +213,22 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
         assert d.stats.total == sum(lengths)
         torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=1e-2, atol=1e-2)
         assert all((y[j, n:] == 0).all() for j, n in enumerate(lengths))
+
+
+def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
+    from autoragged import _dispatch as dispatch
+
+    enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    B, L = 3, 40
+    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0]
+    x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+    want = []
+    with torch.inference_mode():
+        for i in range(150):  # more than the ring's 64 slots; every 16th batch reads its lengths instead
+            lengths = [L, 1 + i % L, 1 + (7 * i) % L]
+            mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+            enc(x, src_key_padding_mask=mask)
+            want.append(sum(lengths))
+    got = [d.stats.total for d in autoragged.recent_decisions(enc, 150)]
+    assert got == want
