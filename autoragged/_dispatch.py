@@ -222,7 +222,8 @@ class _Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
         self.count = 0
-        self.mask_shapes: dict[tuple[int, int], list] = {}  # (B, L) -> [padded-side verdicts in a row, arm, batches]
+        # (B, L) -> [padded-side verdicts in a row, the arm, batches since trusted, the last predictions]
+        self.mask_shapes: dict[tuple[int, int], list] = {}
         self.sync_ms: float | None = None  # host time of reading lengths from a mask (moving average)
         self.pads_ring: _PadsRing | None = None
 
@@ -254,7 +255,7 @@ class _Runtime:
                 if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
                     shape[2] += 1
                     if shape[2] % _RECHECK:
-                        return self._run_unread(module, x, kpm, B, L, shape[1])
+                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3])
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
             if mask_only:
@@ -313,22 +314,24 @@ class _Runtime:
         ragged = [v for k, v in predicted.items() if k not in padded]
         if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
             self.mask_shapes.clear()
-        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0])
+        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0, {}])
         best = min(padded, key=padded.get) if padded else None
         if best is not None and (not ragged or padded[best] <= min(ragged) + (self.sync_ms or 0.0)):
             entry[0] += 1
             entry[1] = PADDED_GRAPH if best == "padded_graph" else PADDED
+            entry[3] = predicted
         else:
             entry[0] = 0
 
-    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm):
-        """A mask-only batch of a shape the padded side wins: run it on the mask, lengths never read."""
+    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float]):
+        """A mask-only batch of a shape the padded side wins: run it on the mask, lengths never read. The
+        record carries the predictions of the shape's last judged batch."""
         self.count += 1
-        why = f"padded side wins on (B={B}, L={L}) even before reading lengths from the mask; not read"
+        why = "padded side wins on this (B, L) even counting the mask read; lengths not read"
         out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm)
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
-        record = _Record(None, arm, {}, why, device_key(x.device), self.sig_key)
+        record = _Record(None, arm, predicted, why, device_key(x.device), self.sig_key)
         if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
             self.pads_ring = _PadsRing(pads.device)
         record.defer(pads, width, L, self.pads_ring)

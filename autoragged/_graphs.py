@@ -10,8 +10,14 @@ ragged_graph: pack, the encoder layers on static values of `rows` bucket rows, a
     Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit; spare
     rows are computed by the row-wise kernels and read by nothing.
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
-    mask computed in the graph from static lengths; PyTorch's nested-tensor conversion is off during
-    capture (it synchronises, so it cannot be captured). Per batch: copy in, replay, copy out.
+    mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
+    (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
+    PyTorch's nested-tensor conversion is off during capture (it synchronises, so it cannot be
+    captured). Per batch: copy in, replay, copy out.
+
+Everything a graph reads must outlive it: static buffers live on the graph object, and the capture
+closure is kept with the graph (a buffer only the closure held was freed after capture and reused by
+the next allocation: the padded graph's replays went wrong, error ~4, until 2026-11-22).
 
 Graphs of one module share one memory pool; at most `cap` are kept (least recently used out). A bucket
 is captured the `min_seen`-th time it is asked for (one-off shapes stay eager). A failed capture is

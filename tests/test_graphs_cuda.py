@@ -198,7 +198,12 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
         torch.manual_seed(i)
         x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
         mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
-        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0]  # as if judged _TRUST times already
+        rt_.mask_shapes[(B, L)] = [
+            dispatch._TRUST,
+            PADDED_GRAPH,
+            0,
+            {"padded_graph": 1.0},
+        ]  # as if judged _TRUST times already
         with torch.inference_mode():
             if i >= 1:  # captured by now: a replay fed the mask must not synchronise
                 torch.cuda.synchronize()
@@ -221,7 +226,7 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
     B, L = 3, 40
-    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0]
+    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0, {"padded_graph": 1.0}]
     x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
     want = []
     with torch.inference_mode():

@@ -350,6 +350,7 @@ def test_mask_only_batches_of_a_padded_shape_skip_reading_lengths(monkeypatch, p
         assert len(reads) == dispatch._TRUST + 2
         unread = [d for d in decisions if "not read" in d.reason]
         assert len(unread) == n - len(reads) and all(d.arm == "padded" for d in unread)
+        assert all(d.predicted_ms for d in unread)  # the shape's last judged predictions: not a fallback
     else:
         assert len(reads) == n and not any("not read" in d.reason for d in decisions)
     # stats of every record are the batch's, whether its lengths were read on the hot path or later
