@@ -2,8 +2,9 @@
 
 For each module signature it draws batches from many length distributions (the CoRa Beta recipe,
 log-normal, bimodal short + long, uniform, all equal) at batch sizes from 1 to 256, measures the padded
-arm and the ragged arm (the default config and configs an optuna study proposes for the batch's max_len
-bucket) exactly as the runtime runs them, and records everything in the tuning database. Then it fits
+arm, the ragged arm (the default config and configs an optuna study proposes for the batch's max_len
+bucket) and, on a GPU, both arms replayed as CUDA graphs, exactly as the runtime runs them, and records
+everything in the tuning database. Then it fits
 the cost model on every measurement of this device (traffic samples included), evaluates it on
 length families held out of the fit, stores it, and prints the metrics. The wrapped models of later
 processes load it on their first batch.
