@@ -375,3 +375,17 @@ def test_an_unread_batch_with_left_padding_is_still_right():
     keep = ~left
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
     assert (got[left] == 0).all()
+
+
+def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_ms = 0.1
+    rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
+    rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
+    streak, arm, _, predicted = rt.mask_shapes[(8, 40)]
+    assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
+    rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
+    assert rt.mask_shapes[(8, 40)][0] == 0
+    rt._judge_shape(8, 40, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
+    assert rt.mask_shapes[(8, 40)][:2] == [1, autoragged._costmodel.PADDED]
