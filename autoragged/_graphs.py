@@ -17,7 +17,10 @@ padded_graph: the original module captured on a static (B, bucket length) input 
 
 Everything a graph reads must outlive it: static buffers live on the graph object, and the capture
 closure is kept with the graph (a buffer only the closure held was freed after capture and reused by
-the next allocation: the padded graph's replays went wrong, error ~4, until 2026-11-22).
+the next allocation: the padded graph's replays went wrong, error ~4, until 2026-11-22). The closure holds
+the buffers, never the graph object, so no reference cycle keeps an evicted graph for the garbage
+collector, and the collector is off during a capture: a collection that destroyed some unreachable graph
+mid-capture made the capture fail (CUDA forbids it), and the bucket then ran eagerly for good.
 
 Graphs of one module share one memory pool; at most `cap` are kept (least recently used out). A bucket
 is captured the `min_seen`-th time it is asked for (one-off shapes stay eager). A failed capture is
@@ -27,6 +30,7 @@ updates are seen by the next replay; parameters replaced by new storage invalida
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 
@@ -149,25 +153,27 @@ class _RaggedGraph:
         D = runtime.layers[0].self_attn.embed_dim
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
         self.programs = rows // config.block_m + batch
-        self.values = torch.zeros(rows, D, dtype=dtype, device=device)
+        # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
+        # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
+        values = self.values = torch.zeros(rows, D, dtype=dtype, device=device)
         meta, _, _ = _host_meta([], config.align, config.block_m, batch, self.programs)
         self.meta = torch.from_numpy(meta).to(device)
         self.ring = _PinnedRing(meta.size, torch.int32)
-        self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
+        layout = self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
         from .nn import encoder_values
 
-        layers = lambda v: encoder_values(runtime.layers, runtime.norm, v, self.layout, config, causal)  # noqa: E731
+        enc_layers, norm = runtime.layers, runtime.norm
+        layers = lambda v: encoder_values(enc_layers, norm, v, layout, config, causal)  # noqa: E731
         if io == "values":
-            run = lambda: layers(self.values)  # noqa: E731
+            run = lambda: layers(values)  # noqa: E731
         else:
             extent = -(-max_len // config.align) * config.align
-            self.x = torch.zeros(batch, max_len, D, dtype=dtype, device=device)
-            self.out = torch.empty(batch, max_len, D, dtype=dtype, device=device)
-            lengths = self.layout.lengths
+            x = self.x = torch.zeros(batch, max_len, D, dtype=dtype, device=device)
+            out = self.out = torch.empty(batch, max_len, D, dtype=dtype, device=device)
 
             def run():
-                packed = ragged_pack.pack(self.x, self.layout.offsets, lengths, rows, extent, out=self.values)
-                return ragged_pack.unpack(layers(packed), self.layout.offsets, lengths, self.out, 0.0)
+                packed = ragged_pack.pack(x, layout.offsets, layout.lengths, rows, extent, out=values)
+                return ragged_pack.unpack(layers(packed), layout.offsets, layout.lengths, out, 0.0)
 
         _warm_and_capture(self, run, device, pool)
 
@@ -204,25 +210,24 @@ class _PaddedGraph:
         D = runtime.layers[0].self_attn.embed_dim
         self.batch_first, self.length = runtime.batch_first, length
         shape = (batch, length, D) if self.batch_first else (length, batch, D)
-        self.x = torch.zeros(shape, dtype=dtype, device=device)
-        # Everything the graph reads must outlive it: static buffers live on self, never in the closure.
+        x = self.x = torch.zeros(shape, dtype=dtype, device=device)
+        # Everything the graph reads must outlive it: static buffers live on self, and the capture closure
+        # holds them, never `self` (no reference cycle: an evicted graph is freed at once).
         if io == "mask":
-            self.mask = torch.ones(batch, length, dtype=torch.bool, device=device)  # True = pad
+            static_mask = self.mask = torch.ones(batch, length, dtype=torch.bool, device=device)  # True = pad
             self._filled_from = length  # mask[:, n:] is all True for every n >= this
         else:
-            self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+            lengths = self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
             self.ring = _PinnedRing(batch, torch.int32)
-            self.positions = torch.arange(length, dtype=torch.int32, device=device)
+            positions = self.positions = torch.arange(length, dtype=torch.int32, device=device)
+        forward, batch_first = runtime.base.forward, self.batch_first
 
         def run():
-            if io == "mask":
-                mask = self.mask
-                self.pads = mask.sum(1, dtype=torch.int32)
-            else:
-                mask = self.positions[None, :] >= self.lengths[:, None]
-            out = runtime.base.forward(module, self.x, None, mask, None)
-            fill = mask[..., None] if self.batch_first else mask.t()[..., None]
-            return out.masked_fill(fill, 0.0)
+            mask = static_mask if io == "mask" else positions[None, :] >= lengths[:, None]
+            out = forward(module, x, None, mask, None)
+            out = out.masked_fill(mask[..., None] if batch_first else mask.t()[..., None], 0.0)
+            # io="mask": each row's pad count, for the decision record
+            return (out, mask.sum(1, dtype=torch.int32)) if io == "mask" else out
 
         # PyTorch's nested-tensor conversion synchronises (not capturable): off while capturing. The fused
         # encoder-layer fast path stays on (it captures and replays exactly: benchmarks/graph_check.py).
@@ -234,6 +239,8 @@ class _PaddedGraph:
         finally:
             if nested is not None:
                 module.use_nested_tensor = nested
+        if io == "mask":
+            self.output, self.pads = self.output
 
     def run(self, x: torch.Tensor, lengths) -> torch.Tensor:
         L = x.shape[1] if self.batch_first else x.shape[0]
@@ -265,15 +272,26 @@ class _PaddedGraph:
 
 
 def _warm_and_capture(holder, run, device, pool) -> None:
-    """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.inference_mode():
-        run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    holder.graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool):
-        holder.output = run()
+    """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture.
+
+    The garbage collector is off meanwhile: a collection during capture that frees an unreachable CUDA
+    graph (anyone's, held in a reference cycle) destroys it mid-capture, which CUDA forbids, and the
+    capture fails (seen on the H100: "operation not permitted when stream is capturing", then cuBLAS
+    failing). PyTorch no longer collects before a capture (torch.compiler.config.force_cudagraph_gc)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        holder.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool):
+            holder.output = run()
+    finally:
+        if collecting:
+            gc.enable()
     # The graph reads whatever `run` read; keep its closure (and all it holds) alive with the graph. A
     # buffer only the closure referenced was freed after capture and reused by later allocations: the
     # padded graph's mask positions did, and its replays went wrong after the next eager allocation.

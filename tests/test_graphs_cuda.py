@@ -88,6 +88,37 @@ def test_bucket_is_captured_when_it_recurs_and_eviction_keeps_the_cap():
     torch.testing.assert_close(real(y, [40, 3]), real(eager, [40, 3]), rtol=2e-3, atol=2e-3)
 
 
+
+def test_evicted_graphs_are_freed_at_once_and_collections_never_break_a_capture():
+    """An evicted graph must not wait for the garbage collector (no reference cycle through its capture
+    closure): a collection that ran mid-capture destroyed such a graph and failed the capture (H100,
+    2026-11-22). With a collection on every allocation, every bucket still captures and replays right."""
+    import gc
+    import weakref
+
+    enc = autoragged.wrap(encoder(), db=False, graph_cap=1)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # the collector runs all the time, so also during any capture it is not kept out of
+    try:
+        refs = []
+        for i, lengths in enumerate([[40, 3], [300, 2], [900, 800, 700]] * 2):
+            for arm in (Arm("ragged_graph", cfg), PADDED_GRAPH):
+                y, note = run(enc, arm, lengths, seed=i)
+                assert note is None, note
+                refs += [weakref.ref(g) for g in enc._autoragged.graphs.graphs.values()]
+                eager, _ = run(enc, Arm("ragged", cfg), lengths, seed=i)
+                torch.testing.assert_close(real(y, lengths), real(eager, lengths), rtol=1e-2, atol=1e-2)
+    finally:
+        gc.set_threshold(*threshold)
+    gc.disable()
+    try:
+        enc._autoragged.graphs.clear()
+        assert all(r() is None for r in refs), "a graph outlived its eviction (a reference cycle holds it)"
+    finally:
+        gc.enable()
+
 def test_capture_failure_runs_eagerly_with_the_reason(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
