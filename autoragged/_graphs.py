@@ -3,12 +3,14 @@
 On the short rows of the benchmark of record the GPU work of a batch is tens of microseconds and the
 eager arms spend about a millisecond launching kernels; a replay launches the whole encoder at once.
 
-ragged_graph: pack, the encoder layers on static values of `rows` bucket rows, and unpack, captured
-    together, with the layout in one static int32 buffer (offsets, lengths, prelude). Per batch: one
-    host->device copy of the layout (through pinned memory, no sync), a copy of the input into the
-    static (batch, max_len) buffer, the replay, a copy of the output: no Triton launch from Python.
-    Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit; spare
-    rows are computed by the row-wise kernels and read by nothing.
+ragged_graph: the layout, pack, the encoder layers on static values of `rows` bucket rows, and unpack,
+    captured together. The graph builds its layout (offsets, lengths, prelude; one static int32 buffer)
+    from the batch's lengths (kernels/graph_layout.py), pack reads the caller's padded input and unpack
+    writes a fresh output through pointers (kernels/ragged_pack.py, indirect forms). Per batch: one
+    host->device copy of those arguments (pointers, strides, sizes, lengths: through pinned memory, no
+    sync) and the replay; no numpy, no copy of the input in or of the output out, no Triton launch from
+    Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit;
+    spare rows are computed by the row-wise kernels and read by nothing.
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
     mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
     (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
@@ -34,10 +36,9 @@ import gc
 import logging
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
-from kernels import ragged_pack
+from kernels import graph_layout, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
@@ -64,36 +65,6 @@ class _StaticLayout:
         if block_m != self.block_m:
             raise ValueError(f"this graph was captured for block_m={self.block_m}, asked for {block_m}")
         return self.grid_mapping, self.block_offsets
-
-
-def meta_size(batch: int, programs: int) -> int:
-    return 2 * batch + 1 + programs + batch + 1
-
-
-def _host_meta(lengths, align: int, block_m: int, batch: int, programs: int, meta: np.ndarray | None = None):
-    """(int32 metadata laid out as _StaticLayout reads it, written into `meta` if given; rows used;
-    largest extent). Vectorised numpy: about a dozen small calls whatever B is."""
-    B = len(lengths)
-    lens = np.fromiter(lengths, dtype=np.int64, count=B)
-    ext = lens if align == 1 else (lens + align - 1) // align * align
-    counts = (lens + block_m - 1) // block_m
-    if meta is None:
-        meta = np.empty(meta_size(batch, programs), dtype=np.int32)
-    offsets = meta[: batch + 1]
-    offsets[0] = 0
-    np.cumsum(ext, out=offsets[1 : B + 1])
-    offsets[B + 1 :] = offsets[B]
-    meta[batch + 1 : batch + 1 + B] = lens
-    meta[batch + 1 + B : 2 * batch + 1] = 0
-    grid = meta[2 * batch + 1 : 2 * batch + 1 + programs]
-    used = int(counts.sum())
-    grid[:used] = np.repeat(np.arange(B, dtype=np.int32), counts)
-    grid[used:] = -1
-    block_offsets = meta[2 * batch + 1 + programs :]
-    block_offsets[0] = 0
-    np.cumsum(counts, out=block_offsets[1 : B + 1])
-    block_offsets[B + 1 :] = block_offsets[B]
-    return meta, int(offsets[B]), int(ext.max(initial=0))
 
 
 class _PinnedRing:
@@ -145,56 +116,69 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _RaggedGraph:
-    """io="padded": pack, layers and unpack in the graph (per call: copy x in, copy the output out);
-    io="values": the layers only, for RaggedTensor inputs (copy values in and out)."""
+    """io="padded": the layout, pack, layers and unpack in the graph; pack reads the caller's padded input
+    and unpack writes a fresh output, both through the pointers of the per-batch args (no copy in or out).
+    io="values": the layout and the layers, for RaggedTensor inputs (copy values in and out).
+    Per batch, one host->device copy of the args: pointers, strides, sizes and lengths."""
 
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         D = runtime.layers[0].self_attn.embed_dim
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
-        self.programs = rows // config.block_m + batch
+        self.dtype, self.device = dtype, device
+        programs = self.programs = rows // config.block_m + batch
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
         values = self.values = torch.zeros(rows, D, dtype=dtype, device=device)
-        meta, _, _ = _host_meta([], config.align, config.block_m, batch, self.programs)
-        self.meta = torch.from_numpy(meta).to(device)
-        self.ring = _PinnedRing(meta.size, torch.int32)
-        layout = self.layout = _StaticLayout(self.meta, batch, self.programs, config.block_m, config.align, max_len)
+        meta = self.meta = torch.zeros(graph_layout.meta_size(batch, programs), dtype=torch.int32, device=device)
+        # all zeros while capturing: no component, so nothing is read or written through its pointers
+        args = self.args = torch.zeros(ragged_pack.ARGS_HEAD + batch, dtype=torch.int64, device=device)
+        self.ring = _PinnedRing(args.numel(), torch.int64)
+        layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
         from .nn import encoder_values
 
-        enc_layers, norm = runtime.layers, runtime.norm
-        layers = lambda v: encoder_values(enc_layers, norm, v, layout, config, causal)  # noqa: E731
+        enc_layers, norm, block_m, align = runtime.layers, runtime.norm, config.block_m, config.align
+
+        def layers(v):
+            graph_layout.layout(args, meta, batch, programs, block_m, align)
+            return encoder_values(enc_layers, norm, v, layout, config, causal)
+
         if io == "values":
             run = lambda: layers(values)  # noqa: E731
         else:
-            extent = -(-max_len // config.align) * config.align
-            x = self.x = torch.zeros(batch, max_len, D, dtype=dtype, device=device)
-            out = self.out = torch.empty(batch, max_len, D, dtype=dtype, device=device)
+            extent = -(-max_len // align) * align
 
             def run():
-                packed = ragged_pack.pack(x, layout.offsets, layout.lengths, rows, extent, out=values)
-                return ragged_pack.unpack(layers(packed), layout.offsets, layout.lengths, out, 0.0)
+                graph_layout.layout(args, meta, batch, programs, block_m, align)
+                ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
+                out = encoder_values(enc_layers, norm, values, layout, config, causal)
+                ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
 
         _warm_and_capture(self, run, device, pool)
 
-    def _load_meta(self, lengths) -> int:
+    def _load_args(self, head: tuple, lengths) -> None:
         slot = self.ring.next()
-        c = self.config
-        _, rows, _ = _host_meta(lengths, c.align, c.block_m, self.batch, self.programs, self.ring.arrays[slot])
-        self.ring.copy_to(slot, self.meta)
-        return rows
+        host = self.ring.arrays[slot]
+        n = ragged_pack.ARGS_HEAD + len(lengths)
+        host[:n] = (*head, *lengths)
+        host[n:] = 0
+        self.ring.copy_to(slot, self.args)
 
-    def run_padded(self, x_bld: torch.Tensor, lengths) -> torch.Tensor:
-        """x_bld: (B, L, D) batch-major view of the input; returns the (B, L, D) output view (the graph's
-        buffer: copy it before the next replay)."""
-        B, L = x_bld.shape[:2]
-        self._load_meta(lengths)
-        self.x[:B, :L].copy_(x_bld)
+    def run_padded(self, x_bld: torch.Tensor, lengths, out_bld: torch.Tensor) -> None:
+        """Run the batch x_bld (B, L, D), batch-major view of the input, into out_bld (B, L, D), the
+        batch-major view of a tensor the caller made (every element is written: pads are zeros)."""
+        B, L, _ = x_bld.shape
+        for name, t in (("input", x_bld), ("output", out_bld)):
+            if t.dtype != self.dtype or t.device != self.device or t.stride(2) != 1 or t.shape != x_bld.shape:
+                raise ValueError(f"the graph needs a {self.dtype} {name} on {self.device} with stride 1 on D, "
+                                 f"got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}")  # fmt: skip
+        head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L)
+        self._load_args(head, lengths)
         self.graph.replay()
-        return self.output[:B, :L]
 
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
-        rows = self._load_meta(lengths)
+        self._load_args((0, 0, 0, 0, 0, 0, len(lengths), 0), lengths)
+        rows = values.shape[0]
         self.values[:rows].copy_(values)
         self.graph.replay()
         return self.output[:rows].clone()

@@ -21,12 +21,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from autoragged import RaggedTensor  # noqa: E402
-from autoragged._graphs import GraphCache, _host_meta, meta_size  # noqa: E402
+from autoragged._graphs import GraphCache  # noqa: E402
 from autoragged._ragged import mask_lengths  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from kernels import ragged_add_layer_norm as k_ln  # noqa: E402
 from kernels import ragged_attention as k_attn  # noqa: E402
 from kernels import ragged_pack  # noqa: E402
+from kernels.graph_layout import layout_ref as _host_meta  # noqa: E402
+from kernels.graph_layout import meta_size  # noqa: E402
 
 
 def host_us(fn, calls: int = 2000) -> float:
@@ -76,7 +78,7 @@ def main() -> int:
         ("PyTorch add + layer_norm (2 ops)", lambda: F.layer_norm(x + x, (512,), w, w)),
         ("PyTorch F.linear", lambda: F.linear(x, torch.ones(512, 512, device=dev, dtype=torch.float16))),
         ("PyTorch padded encoder layer (eager)", lambda: layer.to(dev, torch.float16).eval()(padded)),
-        ("graph metadata on the host (numpy)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
+        ("graph metadata on the host (numpy; the graphs now build it themselves)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
         ("metadata on the host + pinned copy", pinned_meta_copy),
         ("parameter-storage check (6 layers)", lambda: cache._check_params(enc)),
         ("lengths from a CUDA mask (one copy)", lambda: mask_lengths(mask)),

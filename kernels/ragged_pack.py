@@ -10,6 +10,15 @@ Shape contracts
     offsets:       (B + 1,), int32, on the values' device; offsets[-1] = T
     lengths:       (B,), int32; lengths[i] <= offsets[i+1] - offsets[i]; rows past lengths[i] are gap rows
     out (unpack):  (B, L_out, D), any strides on B and L, stride 1 on D; L_out >= max(lengths)
+
+Indirect forms (`pack_from`, `unpack_to`), for CUDA-graph replays: the padded side is not a tensor the
+graph was captured with but whatever the per-batch `args` buffer (int64, on the device) points at, so a
+replay reads the caller's input and writes a fresh output in place, with no copy into or out of static
+buffers. args holds, in elements: ARG_SRC / ARG_DST the data pointers, ARG_SRC_SB, ARG_SRC_SL,
+ARG_DST_SB, ARG_DST_SL their strides along batch and sequence, ARG_B the batch's real size, ARG_L its
+padded length; then, from ARGS_HEAD, the lengths (kernels/graph_layout.py reads those). The caller
+guarantees that the pointed-at tensors are alive, of the values' dtype, on the values' device, with
+stride 1 on D, and at least (ARG_B, ARG_L, D) in size.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import torch
 from ._config import next_pow2
 from ._triton import tl, triton
 
-__all__ = ["pack", "unpack", "pack_ref", "unpack_ref", "PACK_BLOCK_M"]
+__all__ = ["pack", "unpack", "pack_from", "unpack_to", "pack_ref", "unpack_ref", "PACK_BLOCK_M", "ARGS_HEAD"]
+
+ARG_SRC, ARG_DST, ARG_SRC_SB, ARG_SRC_SL, ARG_DST_SB, ARG_DST_SL, ARG_B, ARG_L = range(8)
+ARGS_HEAD = 8
 
 # 32 rows x up to 256 features per program: the copies are bandwidth-bound and this keeps 16-byte
 # accesses with enough programs in flight on the CoRa shapes (D = 512, B = 32..128).
@@ -42,12 +54,17 @@ def _pack_kernel(
     stride_dt,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INDIRECT: tl.constexpr,  # src_ptr is the args buffer (module docstring)
 ):
     b = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_M
     start = tl.load(offsets_ptr + b)
     extent = tl.load(offsets_ptr + b + 1) - start
     length = tl.load(lengths_ptr + b)
+    if INDIRECT:  # a compile-time branch: the names may change type here, not under the run-time `if` below
+        stride_sb = tl.load(src_ptr + 2)  # ARG_SRC_SB
+        stride_sl = tl.load(src_ptr + 3)  # ARG_SRC_SL
+        src_ptr = tl.load(src_ptr).to(tl.pointer_type(dst_ptr.dtype.element_ty))  # ARG_SRC
     if row0 < extent:
         rows = row0 + tl.arange(0, BLOCK_M)
         src_rows = src_ptr + b.to(tl.int64) * stride_sb + rows.to(tl.int64)[:, None] * stride_sl
@@ -74,11 +91,18 @@ def _unpack_kernel(
     stride_dl,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INDIRECT: tl.constexpr,  # dst_ptr is the args buffer (module docstring); L_out is read from it
 ):
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     start = tl.load(offsets_ptr + b)
     length = tl.load(lengths_ptr + b)
+    if INDIRECT:
+        # ARG_L, and ARG_B: the bucket's spare components (b >= ARG_B) write nothing
+        L_out = tl.where(b < tl.load(dst_ptr + 6), tl.load(dst_ptr + 7), 0).to(tl.int32)
+        stride_db = tl.load(dst_ptr + 4)  # ARG_DST_SB
+        stride_dl = tl.load(dst_ptr + 5)  # ARG_DST_SL
+        dst_ptr = tl.load(dst_ptr + 1).to(tl.pointer_type(src_ptr.dtype.element_ty))  # ARG_DST
     src_rows = src_ptr + (start + rows).to(tl.int64)[:, None] * stride_st
     dst_rows = dst_ptr + b.to(tl.int64) * stride_db + rows.to(tl.int64)[:, None] * stride_dl
     load_rows = rows[:, None] < length
@@ -122,9 +146,37 @@ def pack(
         out.stride(0),
         BLOCK_M=PACK_BLOCK_M,
         BLOCK_D=_block_d(D),
+        INDIRECT=False,
         num_warps=4,
     )
     return out
+
+
+def pack_from(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+              max_extent: int) -> torch.Tensor:  # fmt: skip
+    """`pack` from the padded tensor `args` points at into `values` (rows, D) (module docstring): one
+    program row per component of `offsets`, `max_extent` (>= every extent) sizes the grid."""
+    B, D = lengths.shape[0], values.shape[1]
+    if B == 0 or max_extent == 0 or D == 0:
+        return values
+    _pack_kernel[(B, triton.cdiv(max_extent, PACK_BLOCK_M))](
+        args, values, offsets, lengths, D, 0, 0, values.stride(0),
+        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4,
+    )  # fmt: skip
+    return values
+
+
+def unpack_to(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+              max_len: int) -> None:  # fmt: skip
+    """`unpack` of `values` into the padded tensor `args` points at (module docstring), pads zero;
+    `max_len` (>= the batch's padded length) sizes the grid."""
+    B, D = lengths.shape[0], values.shape[1]
+    if B == 0 or max_len == 0 or D == 0:
+        return
+    _unpack_kernel[(B, triton.cdiv(max_len, PACK_BLOCK_M))](
+        values, args, offsets, lengths, D, 0, 0.0, values.stride(0), 0, 0,
+        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4,
+    )  # fmt: skip
 
 
 def unpack(
@@ -149,6 +201,7 @@ def unpack(
         out.stride(1),
         BLOCK_M=PACK_BLOCK_M,
         BLOCK_D=_block_d(D),
+        INDIRECT=False,
         num_warps=4,
     )
     return out

@@ -1,13 +1,21 @@
-"""CPU-side pieces of the CUDA-graph arms: bucket ladders and the static layout metadata."""
+"""Pieces of the CUDA-graph arms that run anywhere: bucket ladders, the layout a ragged graph builds from
+lengths (numpy reference and Triton kernel) and the pointer-addressed pack / unpack it replays with (the
+kernels run compiled on CUDA, in the interpreter on CPU)."""
 
 import numpy as np
 import pytest
+import torch
+from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoragged._buckets import ladder, padded_bucket, ragged_bucket
-from autoragged._graphs import _host_meta, meta_size
 from autoragged._layout import Layout
+from kernels import graph_layout, ragged_pack
+from kernels.graph_layout import layout_ref as _host_meta
+from kernels.graph_layout import meta_size
+
+TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -36,7 +44,7 @@ def test_host_meta_matches_the_layout_and_prelude(lengths, align, block_m):
     assert sum(counts) <= programs  # the bucket's grid always has room
 
 
-def test_host_meta_writes_into_a_given_buffer():
+def test_host_meta_writes_into_a_given_buffer():  # the numpy reference of kernels/graph_layout.py
     buf = np.full(meta_size(4, 10), 7, dtype=np.int32)
     meta, rows, _ = _host_meta([3, 1], 1, 16, 4, 10, buf)
     assert meta is buf and rows == 4 and buf[:5].tolist() == [0, 3, 4, 4, 4]
@@ -54,3 +62,59 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
 def test_ragged_graph_rows_waste_at_most_a_ninth(n):
     rows = ragged_bucket(n, 8, 64)[0]
     assert rows >= n and rows % 128 == 0 and rows <= n * 1.095 + 128
+
+
+def test_layout_reference_refuses_a_grid_too_small():
+    with pytest.raises(ValueError, match="do not fit 2 programs"):
+        _host_meta([40], 1, 16, 1, 2)
+
+
+def _args(lengths, batch, B=None, L=0, x=None, out=None):
+    """The per-batch args of a ragged graph (kernels/ragged_pack.py), on x's device."""
+    head = [0] * ragged_pack.ARGS_HEAD
+    if x is not None:
+        head[:6] = [x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2]]
+    head[ragged_pack.ARG_B], head[ragged_pack.ARG_L] = len(lengths) if B is None else B, L
+    device = x.device if x is not None else "cpu"
+    return torch.tensor(head + list(lengths) + [0] * (batch - len(lengths)), dtype=torch.int64, device=device)
+
+
+# spare components, empty ones, a component longer than a row block, one whose rows fill the bucket
+LAYOUT_CASES = [([5, 0, 13, 2], 8, 4, 4), ([1], 1, 1, 16), ([0, 0], 4, 8, 16), ([33, 7, 64, 1, 0], 8, 16, 16),
+                ([300, 2, 17], 4, 1, 64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("lengths,batch,align,block_m", LAYOUT_CASES)
+def test_layout_kernel_matches_the_reference(device, lengths, batch, align, block_m):
+    rows = ragged_bucket(Layout.make(tuple(lengths), align).rows, batch, max(lengths, default=1))[0]
+    programs = rows // block_m + batch
+    meta = torch.full((meta_size(batch, programs),), 12345, dtype=torch.int32, device=device)  # poison
+    graph_layout.layout(_args(lengths, batch).to(device), meta, batch, programs, block_m, align)
+    want, _, _ = _host_meta(lengths, align, block_m, batch, programs)
+    assert meta.cpu().numpy().tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("align", [1, 8])
+def test_pack_from_and_unpack_to_follow_the_pointers(device, align):
+    """The graph's pack reads a strided input it was not captured with, and its unpack writes a fresh
+    strided output: real rows equal the references, pads are zeros, spare components write nothing."""
+    lengths, batch, L, D = [5, 0, 13, 2], 8, 14, 24  # L > max(lengths): the tail columns are pads
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(L, len(lengths), D, generator=g).to(torch.float16).to(device).transpose(0, 1)  # (B, L, D)
+    whole = torch.full((L + 2, len(lengths), D), 7.0, dtype=torch.float16, device=device)
+    out = whole.transpose(0, 1)[:, :L]
+    args = _args(lengths, batch, L=L, x=x, out=out)
+    meta, used, extent = _host_meta(lengths, align, 4, batch, 64 + batch)
+    meta = torch.from_numpy(meta).to(device)
+    offsets, lens = meta[: batch + 1], meta[batch + 1 : 2 * batch + 1]
+    values = torch.full((64, D), float("nan"), dtype=torch.float16, device=device)
+    ragged_pack.pack_from(args, values, offsets, lens, extent)
+    want = ragged_pack.pack_ref(x, meta[: len(lengths) + 1].tolist(), lengths, used)
+    assert torch.equal(values[:used], want)  # gap rows included: zeros
+    assert values[used:].isnan().all()  # nothing past the components
+    ragged_pack.unpack_to(args, values, offsets, lens, 16)
+    want_out = ragged_pack.unpack_ref(values, meta[: len(lengths) + 1].tolist(), lengths, torch.empty_like(x), 0.0)
+    assert torch.equal(out, want_out)
+    assert (whole[L:] == 7).all()  # past ARG_L: untouched

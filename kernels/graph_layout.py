@@ -1,0 +1,114 @@
+"""A ragged layout built on the device from lengths: the first node of a replayed ragged graph.
+
+A CUDA graph replays fixed launches on fixed buffers, so a ragged graph keeps its layout in one static
+int32 buffer. Building that layout on the host (offsets, prelude) costs tens of microseconds of numpy
+per batch on a slow host, which on a launch-bound batch is latency. Here the graph builds it itself
+from the batch's lengths, which arrive with the rest of the per-batch arguments in one host->device
+copy (see `ragged_pack.ARGS`).
+
+Shape contracts
+    args:   (ARGS_HEAD + batch,) int64 on the device; args[ARGS_HEAD + i] = length of component i
+            (0 for the bucket's spare components)
+    meta:   (meta_size(batch, programs),) int32, written whole:
+              offsets        [0, batch]                 start of each component, aligned to `align` rows
+              lengths        [batch + 1, 2 batch]       real rows of each component
+              grid_mapping   [2 batch + 1, + programs]  component of attention program p, -1 past the last
+              block_offsets  [.., + batch + 1]          first attention program of each component
+            for attention row blocks of `block_m` rows; `programs` must be >= the batch's row blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ._config import next_pow2
+from ._triton import tl, triton
+from .ragged_pack import ARGS_HEAD
+
+__all__ = ["layout", "layout_ref", "meta_size"]
+
+
+def meta_size(batch: int, programs: int) -> int:
+    return 2 * batch + 1 + programs + batch + 1
+
+
+@triton.jit
+def _layout_kernel(
+    args_ptr,
+    meta_ptr,
+    batch,
+    programs,
+    BLOCK_M: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.arange(0, BLOCK_B)
+    real = b < batch
+    lens = tl.load(args_ptr + HEAD + b, mask=real, other=0).to(tl.int32)
+    counts = (lens + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(counts, 0)  # the program after each component's last one
+    total = tl.sum(counts, 0)
+    # program p belongs to the component whose blocks span it: the count of components ending at or before p
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    comp = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), 1)
+    comp = tl.where(p < total, comp, -1)
+    grid_base = meta_ptr + 2 * batch + 1
+    tl.store(grid_base + p, comp, mask=p < programs)
+    if pid == 0:
+        ext = (lens + ALIGN - 1) // ALIGN * ALIGN
+        tl.store(meta_ptr, 0)
+        tl.store(meta_ptr + 1 + b, tl.cumsum(ext, 0), mask=real)
+        tl.store(meta_ptr + batch + 1 + b, lens, mask=real)
+        block_offsets = grid_base + programs
+        tl.store(block_offsets, 0)
+        tl.store(block_offsets + 1 + b, ends, mask=real)
+
+
+def layout(args: torch.Tensor, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int) -> None:
+    """Write the layout of the lengths in `args` into `meta` (see the module docstring)."""
+    if meta.numel() != meta_size(batch, programs) or meta.dtype != torch.int32:
+        raise ValueError(f"meta must be int32 of {meta_size(batch, programs)} elements, got {meta.dtype} {meta.numel()}")
+    if args.numel() < ARGS_HEAD + batch or args.dtype != torch.int64:
+        raise ValueError(f"args must be int64 of at least {ARGS_HEAD + batch} elements")
+    block_b = next_pow2(max(batch, 1))
+    block_p = max(16, min(1024, 8192 // block_b))  # the (BLOCK_P, BLOCK_B) comparison stays small
+    _layout_kernel[(triton.cdiv(programs, block_p),)](
+        args, meta, batch, programs,
+        BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4,
+    )  # fmt: skip
+
+
+def layout_ref(
+    lengths: Sequence[int], align: int, block_m: int, batch: int, programs: int, meta: np.ndarray | None = None
+) -> tuple[np.ndarray, int, int]:
+    """Numpy reference: (the int32 meta of `lengths`, written into `meta` if given; rows used; largest
+    extent). Lengths past len(lengths), up to `batch`, are spare components of length 0."""
+    B = len(lengths)
+    lens = np.fromiter(lengths, dtype=np.int64, count=B)
+    ext = lens if align == 1 else (lens + align - 1) // align * align
+    counts = (lens + block_m - 1) // block_m
+    if meta is None:
+        meta = np.empty(meta_size(batch, programs), dtype=np.int32)
+    offsets = meta[: batch + 1]
+    offsets[0] = 0
+    np.cumsum(ext, out=offsets[1 : B + 1])
+    offsets[B + 1 :] = offsets[B]
+    meta[batch + 1 : batch + 1 + B] = lens
+    meta[batch + 1 + B : 2 * batch + 1] = 0
+    grid = meta[2 * batch + 1 : 2 * batch + 1 + programs]
+    used = int(counts.sum())
+    if used > programs:
+        raise ValueError(f"{used} row blocks of {block_m} do not fit {programs} programs")
+    grid[:used] = np.repeat(np.arange(B, dtype=np.int32), counts)
+    grid[used:] = -1
+    block_offsets = meta[2 * batch + 1 + programs :]
+    block_offsets[0] = 0
+    np.cumsum(counts, out=block_offsets[1 : B + 1])
+    block_offsets[B + 1 :] = block_offsets[B]
+    return meta, int(offsets[B]), int(ext.max(initial=0))
