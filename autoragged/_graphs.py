@@ -170,8 +170,10 @@ class _RaggedGraph:
         B, L, _ = x_bld.shape
         for name, t in (("input", x_bld), ("output", out_bld)):
             if t.dtype != self.dtype or t.device != self.device or t.stride(2) != 1 or t.shape != x_bld.shape:
-                raise ValueError(f"the graph needs a {self.dtype} {name} on {self.device} with stride 1 on D, "
-                                 f"got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}")  # fmt: skip
+                raise ValueError(
+                    f"the graph needs a {self.dtype} {name} on {self.device} with stride 1 on D, got {t.dtype} on "
+                    f"{t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
+                )
         head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L)
         self._load_args(head, lengths)
         self.graph.replay()

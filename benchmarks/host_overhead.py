@@ -78,7 +78,7 @@ def main() -> int:
         ("PyTorch add + layer_norm (2 ops)", lambda: F.layer_norm(x + x, (512,), w, w)),
         ("PyTorch F.linear", lambda: F.linear(x, torch.ones(512, 512, device=dev, dtype=torch.float16))),
         ("PyTorch padded encoder layer (eager)", lambda: layer.to(dev, torch.float16).eval()(padded)),
-        ("graph metadata on the host (numpy; the graphs now build it themselves)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
+        ("graph metadata on the host (numpy; graphs now build it)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
         ("metadata on the host + pinned copy", pinned_meta_copy),
         ("parameter-storage check (6 layers)", lambda: cache._check_params(enc)),
         ("lengths from a CUDA mask (one copy)", lambda: mask_lengths(mask)),

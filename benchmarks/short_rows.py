@@ -167,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:6s} B={batch:3d} varlen_graph={r['varlen_graph']:.3f} varlen_gpu={r['varlen_gpu']:.3f} "
                   f"ragged_gpu={r['ragged_gpu']:.3f} lengths_call={r['lengths_call']:.3f} "
                   f"host_call={r['host_call_us']:.0f}us", flush=True)  # fmt: skip
-    cols = [("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "T", "d"), ("varlen_graph", "varlen graph", ".3f"),
-            ("varlen_gpu", "varlen GPU", ".3f"), ("ragged_graph", "ragged graph", ".3f"), ("ragged_gpu", "ragged GPU", ".3f"),
+    cols = [("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "T", "d"),
+            ("varlen_graph", "varlen graph", ".3f"), ("varlen_gpu", "varlen GPU", ".3f"),
+            ("ragged_graph", "ragged graph", ".3f"), ("ragged_gpu", "ragged GPU", ".3f"),
             ("padded_graph_gpu", "padded graph GPU", ".3f"), ("lengths_call", "lengths= call", ".3f"),
             ("host_call_us", "host us/call", ".0f"), ("host_replay_us", "host us/replay step", ".0f"),
-            ("gpu_ratio", "GPU ragged/varlen", ".2f"), ("call_vs_varlen_graph", "call / varlen graph", ".2f")]  # fmt: skip
+            ("gpu_ratio", "GPU ragged/varlen", ".2f"),
+            ("call_vs_varlen_graph", "call / varlen graph", ".2f")]  # fmt: skip
     print("\n## short rows, ms (latency columns end in a sync; GPU columns are back-to-back replays)\n")
     print(table(rows, cols))
     path = write_json("short_rows.json", {"env": env, "args": vars(args), "rows": rows}, args.out)

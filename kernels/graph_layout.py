@@ -73,7 +73,8 @@ def _layout_kernel(
 def layout(args: torch.Tensor, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int) -> None:
     """Write the layout of the lengths in `args` into `meta` (see the module docstring)."""
     if meta.numel() != meta_size(batch, programs) or meta.dtype != torch.int32:
-        raise ValueError(f"meta must be int32 of {meta_size(batch, programs)} elements, got {meta.dtype} {meta.numel()}")
+        size = meta_size(batch, programs)
+        raise ValueError(f"meta must be int32 of {size} elements, got {meta.dtype} of {meta.numel()}")
     if args.numel() < ARGS_HEAD + batch or args.dtype != torch.int64:
         raise ValueError(f"args must be int64 of at least {ARGS_HEAD + batch} elements")
     block_b = next_pow2(max(batch, 1))

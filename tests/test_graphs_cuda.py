@@ -88,7 +88,6 @@ def test_bucket_is_captured_when_it_recurs_and_eviction_keeps_the_cap():
     torch.testing.assert_close(real(y, [40, 3]), real(eager, [40, 3]), rtol=2e-3, atol=2e-3)
 
 
-
 def test_evicted_graphs_are_freed_at_once_and_collections_never_break_a_capture():
     """An evicted graph must not wait for the garbage collector (no reference cycle through its capture
     closure): a collection that ran mid-capture destroyed such a graph and failed the capture (H100,
@@ -118,6 +117,7 @@ def test_evicted_graphs_are_freed_at_once_and_collections_never_break_a_capture(
         assert all(r() is None for r in refs), "a graph outlived its eviction (a reference cycle holds it)"
     finally:
         gc.enable()
+
 
 def test_capture_failure_runs_eagerly_with_the_reason(monkeypatch):
     def broken(*args, **kwargs):
