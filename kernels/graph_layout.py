@@ -15,6 +15,8 @@ Shape contracts
               grid_mapping   [2 batch + 1, + programs]  component of attention program p, -1 past the last
               block_offsets  [.., + batch + 1]          first attention program of each component
             for attention row blocks of `block_m` rows; `programs` must be >= the batch's row blocks.
+    From a mask (slot > 0): args as kernels/masked_pack.py has them; lengths[i] = real tokens of mask row
+    i (0 for i >= ARG_B), offsets[i] = i * slot.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ._config import next_pow2
 from ._triton import tl, triton
+from .masked_pack import MASK_ARGS
 from .ragged_pack import ARGS_HEAD
 
 __all__ = ["layout", "layout_ref", "meta_size"]
@@ -46,11 +49,28 @@ def _layout_kernel(
     HEAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    FROM_MASK: tl.constexpr,  # lengths counted from the mask args point at (kernels/masked_pack.py)
+    SLOT: tl.constexpr,  # FROM_MASK: every component's extent (its slot of rows)
+    BLOCK_L: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     real = b < batch
-    lens = tl.load(args_ptr + HEAD + b, mask=real, other=0).to(tl.int32)
+    if FROM_MASK:
+        rows_real = b < tl.load(args_ptr + 6)  # ARG_B
+        L = tl.load(args_ptr + 7).to(tl.int32)  # ARG_L
+        mask_ptr = tl.load(args_ptr + 8).to(tl.pointer_type(tl.int8))  # ARG_MASK
+        rows = mask_ptr + b.to(tl.int64)[:, None] * tl.load(args_ptr + 9)  # ARG_MASK_SB
+        stride_ml = tl.load(args_ptr + 10)  # ARG_MASK_SL
+        lens = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for s in range(0, L, BLOCK_L):
+            t = s + tl.arange(0, BLOCK_L)[None, :]
+            pad = tl.load(rows + t * stride_ml, mask=rows_real[:, None] & (t < L), other=1)
+            lens += tl.sum((pad == 0).to(tl.int32), 1)
+        ext = tl.zeros([BLOCK_B], dtype=tl.int32) + SLOT
+    else:
+        lens = tl.load(args_ptr + HEAD + b, mask=real, other=0).to(tl.int32)
+        ext = (lens + ALIGN - 1) // ALIGN * ALIGN
     counts = (lens + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(counts, 0)  # the program after each component's last one
     total = tl.sum(counts, 0)
@@ -61,7 +81,6 @@ def _layout_kernel(
     grid_base = meta_ptr + 2 * batch + 1
     tl.store(grid_base + p, comp, mask=p < programs)
     if pid == 0:
-        ext = (lens + ALIGN - 1) // ALIGN * ALIGN
         tl.store(meta_ptr, 0)
         tl.store(meta_ptr + 1 + b, tl.cumsum(ext, 0), mask=real)
         tl.store(meta_ptr + batch + 1 + b, lens, mask=real)
@@ -70,18 +89,24 @@ def _layout_kernel(
         tl.store(block_offsets + 1 + b, ends, mask=real)
 
 
-def layout(args: torch.Tensor, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int) -> None:
-    """Write the layout of the lengths in `args` into `meta` (see the module docstring)."""
+def layout(
+    args: torch.Tensor, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, slot: int = 0
+) -> None:
+    """Write the layout of the lengths in `args` into `meta` (see the module docstring). With `slot` > 0
+    the lengths are counted from the mask `args` points at instead (kernels/masked_pack.py's args), and
+    component b starts at b * slot."""
     if meta.numel() != meta_size(batch, programs) or meta.dtype != torch.int32:
         size = meta_size(batch, programs)
         raise ValueError(f"meta must be int32 of {size} elements, got {meta.dtype} of {meta.numel()}")
-    if args.numel() < ARGS_HEAD + batch or args.dtype != torch.int64:
-        raise ValueError(f"args must be int64 of at least {ARGS_HEAD + batch} elements")
+    need = MASK_ARGS if slot > 0 else ARGS_HEAD + batch
+    if args.numel() < need or args.dtype != torch.int64:
+        raise ValueError(f"args must be int64 of at least {need} elements")
     block_b = next_pow2(max(batch, 1))
     block_p = max(16, min(1024, 8192 // block_b))  # the (BLOCK_P, BLOCK_B) comparison stays small
     _layout_kernel[(triton.cdiv(programs, block_p),)](
         args, meta, batch, programs,
-        BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4,
+        BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p,
+        FROM_MASK=slot > 0, SLOT=slot, BLOCK_L=max(16, 4096 // block_b), num_warps=4,
     )  # fmt: skip
 
 

@@ -118,3 +118,50 @@ def test_pack_from_and_unpack_to_follow_the_pointers(device, align):
     want_out = ragged_pack.unpack_ref(values, meta[: len(lengths) + 1].tolist(), lengths, torch.empty_like(x), 0.0)
     assert torch.equal(out, want_out)
     assert (whole[L:] == 7).all()  # past ARG_L: untouched
+
+
+def _awkward_mask(B, L, device, seed=0):
+    """Random holes, an all-pad row, a full row, left padding, right padding."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, L, generator=g) < 0.4
+    mask[0], mask[1] = True, False
+    mask[2, : L // 3], mask[2, L // 3 :] = True, False
+    mask[3, : L - 5], mask[3, L - 5 :] = False, True
+    return mask.to(device)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("B,L,slot,batch_first", [(5, 37, 48, True), (4, 70, 80, False), (6, 16, 16, True)])
+def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, slot, batch_first):
+    """The ragged graph fed a mask: its layout counts each row's real tokens, pack fills each row's slot
+    with them in order, unpack puts them back and zeros the pads, whatever the pattern."""
+    from kernels import masked_pack
+
+    D = 24
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, L, D, generator=g).to(torch.float16).to(device)
+    if not batch_first:  # (L, B, D) storage, read through its batch-major view
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    mask = _awkward_mask(B, L, device)
+    whole = torch.full((B, L + 3, D), 7.0, dtype=torch.float16, device=device)
+    out = whole[:, :L]
+    args = torch.tensor(
+        [x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2], B, L, mask.data_ptr(), *mask.stride()],
+        dtype=torch.int64, device=device,
+    )  # fmt: skip
+    assert args.numel() == masked_pack.MASK_ARGS
+    values = torch.full((B * slot, D), float("nan"), dtype=torch.float16, device=device)
+    masked_pack.pack_masked(args, values, B, slot)
+    want = masked_pack.pack_masked_ref(x, mask, torch.full_like(values, float("nan")), slot)
+    assert torch.equal(values.nan_to_num(5.0), want.nan_to_num(5.0))  # gap rows untouched, real rows equal
+    masked_pack.unpack_masked(args, values, B, slot)
+    assert torch.equal(out, masked_pack.unpack_masked_ref(values, mask, torch.empty_like(x), slot))
+    assert (whole[:, L:] == 7).all()
+    programs = B * slot // 16 + B
+    meta = torch.full((meta_size(B, programs),), 12345, dtype=torch.int32, device=device)
+    graph_layout.layout(args, meta, B, programs, 16, 1, slot)
+    lens = (~mask).sum(1).tolist()
+    want_meta, _, _ = _host_meta(lens, 1, 16, B, programs)
+    got = meta.cpu()
+    assert got[: B + 1].tolist() == [b * slot for b in range(B + 1)]  # every row owns its slot
+    assert got[B + 1 :].tolist() == want_meta[B + 1 :].tolist()  # lengths, grid mapping, block offsets
