@@ -114,7 +114,10 @@ class _Record:
 
     The stats of a batch whose lengths were not read on the hot path arrive later: `defer` copies the
     per-row pad counts to the host without waiting, and the first read of `stats` (the recorder's thread,
-    a harvest, `recent_decisions`) waits for that copy."""
+    a harvest, `recent_decisions`) waits for that copy. The wait makes no CUDA call: the pinned slot was
+    filled with -1 (never a pad count) before the copy, and the copy is done when no -1 is left. A CUDA
+    call from the recorder's thread (an event sync) while any thread captures a CUDA graph in PyTorch's
+    default global mode invalidates that capture (seen on the H100: a user's capture failed)."""
 
     __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
 
@@ -145,9 +148,10 @@ class _Record:
                 pending = self._pending
                 if pending is not None:
                     host, event, width, L = pending
+                    pads = host.tolist()
                     if event is not None:
-                        event.synchronize()
-                    self._stats = BatchStats.from_lengths(tuple(width - p for p in host.tolist()), padded_len=L)
+                        pads = _wait_for_copy(host, pads, event)
+                    self._stats = BatchStats.from_lengths(tuple(width - p for p in pads), padded_len=L)
                     self._pending = None
         return self._stats
 
@@ -160,6 +164,23 @@ class _Record:
 
 
 _RESOLVE = threading.Lock()
+_COPY_TIMEOUT_S = 30.0
+
+
+def _wait_for_copy(host: torch.Tensor, values: list[int], event) -> list[int]:
+    """The pad counts once the device->host copy into `host` (pre-filled with -1) has landed, polling the
+    pinned memory. Only a copy still missing after _COPY_TIMEOUT_S falls back to the event (which raises
+    the device's error, if that is why)."""
+    deadline = None
+    while -1 in values:
+        now = time.monotonic()
+        deadline = deadline or now + _COPY_TIMEOUT_S
+        if now > deadline:
+            event.synchronize()
+            return host.tolist()
+        time.sleep(50e-6)
+        values = host.tolist()
+    return values
 
 
 class _PadsRing:
@@ -185,6 +206,7 @@ class _PadsRing:
         if previous is not None and previous._pending is not None:
             previous.stats  # noqa: B018 - resolve it before its slot is overwritten
         view = self.host[i, :B]
+        view.fill_(-1)  # the copy is done when no -1 is left (_Record.stats: no CUDA call needed)
         view.copy_(pads, non_blocking=True)
         record_event(self.events[i], self.device.index)
         self.owners[i] = record
@@ -224,14 +246,15 @@ class _Runtime:
         self.count = 0
         # (B, L) -> [padded-side verdicts in a row, the arm, batches since trusted, the last predictions]
         self.mask_shapes: dict[tuple[int, int], list] = {}
-        self.sync_ms: float | None = None  # host time of reading lengths from a mask (moving average)
+        # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
+        self.sync_samples: deque[float] = deque(maxlen=16)
         self.pads_ring: _PadsRing | None = None
 
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
-                     pads_ring=None)  # fmt: skip
+                     pads_ring=None, sync_samples=deque(maxlen=16))  # fmt: skip
         return state
 
     # -- the hot path -------------------------------------------------------------------------
@@ -249,7 +272,11 @@ class _Runtime:
             lens, L = src.lengths, src.max_len
         else:
             B, L = (x.shape[0], x.shape[1]) if self.batch_first else (x.shape[1], x.shape[0])
-            mask_only = lengths is None and kpm is not None and not reason and self.policy == "auto"
+            # (a causal batch reads its lengths: the unread arms run the mask alone)
+            mask_only = (
+                lengths is None and kpm is not None and attn_mask is None and not is_causal and not reason
+                and self.policy == "auto"
+            )  # fmt: skip
             if mask_only:
                 shape = self.mask_shapes.get((B, L))
                 if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
@@ -260,7 +287,7 @@ class _Runtime:
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
             if mask_only:
                 ms = (time.perf_counter() - t0) * 1e3
-                self.sync_ms = ms if self.sync_ms is None else self.sync_ms + 0.125 * (ms - self.sync_ms)
+                self.sync_samples.append(ms)
             if not_prefix is not None and not reason:
                 reason = f"key padding mask row {not_prefix} is not right-padded"
         stats = BatchStats.from_lengths(lens, padded_len=L)
@@ -271,7 +298,7 @@ class _Runtime:
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
         if mask_only and free:
-            self._judge_shape(B, L, plan.predicted_ms)
+            self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_ms(x.device, B, L))
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
         if sampled and self.explore and free:
@@ -308,26 +335,52 @@ class _Runtime:
             self._log_summary()
         return out
 
-    def _judge_shape(self, B: int, L: int, predicted: dict[str, float]) -> None:
-        """Would the padded side have won this mask-only batch even without reading its lengths?"""
-        padded = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
-        ragged = [v for k, v in predicted.items() if k not in padded]
+    @property
+    def sync_ms(self) -> float:
+        """The read's own cost: the least of the recent reads' host times. A read also waits for the work
+        queued before it (the first one for compiles and captures: 30-100 ms on the H100 host), which is
+        not the read's doing; an average of those had every shape skip its reads."""
+        return min(self.sync_samples) if self.sync_samples else 0.0
+
+    def _mask_graph_ms(self, device: torch.device, B: int, L: int) -> tuple[Arm, float] | None:
+        """(arm, predicted ms) of the ragged graph that runs a (B, L) mask without reading its lengths, or
+        None where graphs do not run. It computes the linears and norms on all B x L rows, so it is
+        predicted as the ragged graph of a batch with every row L long (an upper bound: attention there
+        counts pads as real)."""
+        if not (self.graphs_enabled and device.type == "cuda"):
+            return None
+        arm = Arm("ragged_graph", default_ragged_config(self.sig.d_model // max(self.sig.heads, 1), L))
+        ms = self._plan(device, BatchStats.from_lengths((L,) * B, padded_len=L), None).predicted_ms.get(arm.label)
+        return None if ms is None else (arm, ms)
+
+    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_graph=None) -> None:
+        """Would an arm that needs no lengths (the padded arms, or the ragged graph fed the mask, whose
+        (arm, ms) is `mask_graph`) have won this mask-only batch, counting the read's cost against the
+        arms that need them?"""
+        unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
+        needs_lengths = [v for k, v in predicted.items() if k not in unread]
+        if mask_graph is not None:
+            unread["ragged_graph_mask"] = mask_graph[1]
         if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
             self.mask_shapes.clear()
         entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0, {}])
-        best = min(padded, key=padded.get) if padded else None
-        if best is not None and (not ragged or padded[best] <= min(ragged) + (self.sync_ms or 0.0)):
+        best = min(unread, key=unread.get) if unread else None
+        if best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms):
             entry[0] += 1
-            entry[1] = PADDED_GRAPH if best == "padded_graph" else PADDED
-            entry[3] = predicted
+            if best == "ragged_graph_mask":
+                entry[1] = mask_graph[0]
+                entry[3] = {**predicted, mask_graph[0].label: mask_graph[1]}  # what this arm was predicted at
+            else:
+                entry[1] = PADDED_GRAPH if best == "padded_graph" else PADDED
+                entry[3] = predicted
         else:
             entry[0] = 0
 
     def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float]):
-        """A mask-only batch of a shape the padded side wins: run it on the mask, lengths never read. The
-        record carries the predictions of the shape's last judged batch."""
+        """A mask-only batch of a shape where an arm that needs no lengths wins: run it on the mask, lengths
+        never read. The record carries the predictions of the shape's last judged batch."""
         self.count += 1
-        why = "padded side wins on this (B, L) even counting the mask read; lengths not read"
+        why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
         out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm)
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
@@ -345,8 +398,8 @@ class _Runtime:
         return out
 
     def _execute_unread(self, module, x, kpm, B: int, L: int, arm: Arm):
-        """(output, per-row pad counts, the columns they count over, None) of a padded arm run on the mask
-        itself; the note says why a graph arm ran eagerly instead."""
+        """(output, per-row pad counts, the columns they count over, None) of an arm run on the mask itself
+        (a padded arm, or the ragged graph fed the mask); the note says why it ran eagerly padded instead."""
         note = None
         if not arm.graph:
             pass
@@ -359,9 +412,19 @@ class _Runtime:
                 from ._graphs import GraphCache
 
                 self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
-            graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
-            if graph is not None:
-                return graph.run_mask(x, kpm), graph.pads, graph.length, None
+            if arm.ragged:
+                graph, note = self.graphs.ragged_mask(self, module, arm.config, False, B, L, x.dtype, x.device)
+                if graph is not None:
+                    seq_axis = 1 if self.batch_first else 0
+                    x_in = x if x.stride(-1) == 1 else x.contiguous()
+                    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                    mask = kpm if kpm.stride(-1) == 1 else kpm.contiguous()
+                    graph.run_mask(_batch_major(x_in, seq_axis), mask, _batch_major(out, seq_axis))
+                    return out, graph.pads, graph.slot, None
+            else:
+                graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
+                if graph is not None:
+                    return graph.run_mask(x, kpm), graph.pads, graph.length, None
         out = self.base.forward(module, x, None, kpm, None)
         out = out.masked_fill(kpm[..., None] if self.batch_first else kpm.t()[..., None], 0.0)
         return out, kpm.sum(1, dtype=torch.int32), L, note

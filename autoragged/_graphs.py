@@ -11,6 +11,10 @@ ragged_graph: the layout, pack, the encoder layers on static values of `rows` bu
     sync) and the replay; no numpy, no copy of the input in or of the output out, no Triton launch from
     Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit;
     spare rows are computed by the row-wise kernels and read by nothing.
+    io="mask": a mask-only batch whose lengths are never read (the shape was judged to win without them):
+    each row gets a slot of the padded bucket's length, the graph counts its real tokens from the mask
+    and packs them, in any padding pattern, into the slot (kernels/masked_pack.py). The linears and
+    norms run on all batch x slot rows; attention only on real tokens. Nothing synchronises.
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
     mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
     (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
@@ -38,7 +42,7 @@ from collections import OrderedDict
 
 import torch
 
-from kernels import graph_layout, ragged_pack
+from kernels import graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
@@ -125,14 +129,15 @@ class _RaggedGraph:
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         D = runtime.layers[0].self_attn.embed_dim
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.slot = dtype, device, max_len
         programs = self.programs = rows // config.block_m + batch
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
         values = self.values = torch.zeros(rows, D, dtype=dtype, device=device)
         meta = self.meta = torch.zeros(graph_layout.meta_size(batch, programs), dtype=torch.int32, device=device)
         # all zeros while capturing: no component, so nothing is read or written through its pointers
-        args = self.args = torch.zeros(ragged_pack.ARGS_HEAD + batch, dtype=torch.int64, device=device)
+        n_args = masked_pack.MASK_ARGS if io == "mask" else ragged_pack.ARGS_HEAD + batch
+        args = self.args = torch.zeros(n_args, dtype=torch.int64, device=device)
         self.ring = _PinnedRing(args.numel(), torch.int64)
         layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
         from .nn import encoder_values
@@ -145,6 +150,16 @@ class _RaggedGraph:
 
         if io == "values":
             run = lambda: layers(values)  # noqa: E731
+        elif io == "mask":  # rows = batch * slot: row b's real tokens fill the slot at b * slot
+            slot = max_len
+
+            def run():
+                graph_layout.layout(args, meta, batch, programs, block_m, 1, slot)
+                masked_pack.pack_masked(args, values, batch, slot)
+                out = encoder_values(enc_layers, norm, values, layout, config, causal)
+                masked_pack.unpack_masked(args, out, batch, slot)
+                return slot - layout.lengths  # each row's pads over `slot` columns, for the decision record
+
         else:
             extent = -(-max_len // align) * align
 
@@ -155,27 +170,47 @@ class _RaggedGraph:
                 ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
 
         _warm_and_capture(self, run, device, pool)
+        if io == "mask":
+            self.pads = self.output
 
-    def _load_args(self, head: tuple, lengths) -> None:
+    def _load_args(self, head: tuple, lengths=()) -> None:
         slot = self.ring.next()
         host = self.ring.arrays[slot]
-        n = ragged_pack.ARGS_HEAD + len(lengths)
+        n = len(head) + len(lengths)
         host[:n] = (*head, *lengths)
         host[n:] = 0
         self.ring.copy_to(slot, self.args)
+
+    def _check(self, name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+        if t.dtype != dtype or t.device != self.device or t.stride(-1) != 1 or t.shape != shape:
+            raise ValueError(
+                f"the graph needs a {dtype} {name} of shape {shape} on {self.device} with stride 1 on the last "
+                f"dim, got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
+            )
 
     def run_padded(self, x_bld: torch.Tensor, lengths, out_bld: torch.Tensor) -> None:
         """Run the batch x_bld (B, L, D), batch-major view of the input, into out_bld (B, L, D), the
         batch-major view of a tensor the caller made (every element is written: pads are zeros)."""
         B, L, _ = x_bld.shape
-        for name, t in (("input", x_bld), ("output", out_bld)):
-            if t.dtype != self.dtype or t.device != self.device or t.stride(2) != 1 or t.shape != x_bld.shape:
-                raise ValueError(
-                    f"the graph needs a {self.dtype} {name} on {self.device} with stride 1 on D, got {t.dtype} on "
-                    f"{t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
-                )
+        self._check("input", x_bld, x_bld.shape, self.dtype)
+        self._check("output", out_bld, x_bld.shape, self.dtype)
         head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L)
         self._load_args(head, lengths)
+        self.graph.replay()
+
+    def run_mask(self, x_bld: torch.Tensor, mask: torch.Tensor, out_bld: torch.Tensor) -> None:
+        """io="mask": run the batch x_bld (B, L, D) with its key padding mask (B, L) bool, True = pad, any
+        pattern, into out_bld; no lengths needed, nothing synchronises. `self.pads` holds each row's pad
+        count over `self.slot` columns until the next replay."""
+        B, L, _ = x_bld.shape
+        if B != self.batch or L > self.slot:
+            raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.slot} long, got ({B}, {L})")
+        self._check("input", x_bld, x_bld.shape, self.dtype)
+        self._check("output", out_bld, x_bld.shape, self.dtype)
+        self._check("mask", mask, (B, L), torch.bool)
+        head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L,
+                mask.data_ptr(), *mask.stride())  # fmt: skip
+        self._load_args(head)
         self.graph.replay()
 
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
@@ -273,7 +308,8 @@ def _warm_and_capture(holder, run, device, pool) -> None:
             run()
         torch.cuda.current_stream(device).wait_stream(stream)
         holder.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool):
+        # thread_local: CUDA calls of other threads (the user's, say) do not invalidate this capture
+        with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool, capture_error_mode="thread_local"):
             holder.output = run()
     finally:
         if collecting:
@@ -347,6 +383,14 @@ class GraphCache:
     def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):
         self._check_params(module)
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
+        return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
+
+    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device):
+        """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read: a slot of the
+        padded bucket's length per row."""
+        self._check_params(module)
+        slot = padded_bucket(batch, seq_len)[1]
+        key = ("ragged", batch * slot, batch, slot, config, causal, "mask")
         return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths"):

@@ -33,6 +33,17 @@ def run(enc, arm, lengths, L=None, batch_first=True, seed=0):
         return rt._execute(enc, arm, x, x, False, None, mask, None, tuple(lengths), L, stats)
 
 
+def call_mask(enc, x, mask, no_sync: bool):
+    """enc(x, src_key_padding_mask=mask); with no_sync, any device synchronisation in it is an error."""
+    if no_sync:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        return enc(x, src_key_padding_mask=mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def real(y, lengths, batch_first=True):
     y = y if batch_first else y.transpose(0, 1)
     return torch.cat([y[i, :n] for i, n in enumerate(lengths)]).float()
@@ -236,13 +247,7 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
             {"padded_graph": 1.0},
         ]  # as if judged _TRUST times already
         with torch.inference_mode():
-            if i >= 1:  # captured by now: a replay fed the mask must not synchronise
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                y = enc(x, src_key_padding_mask=mask)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want, _ = run(enc, PADDED, lengths, L=L, seed=i)
         d = autoragged.recent_decisions(enc, 1)[0]  # the wrapped call's record (run() adds none)
         assert "not read" in d.reason and d.arm == "padded_graph", d.reason
@@ -268,3 +273,39 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
             want.append(sum(lengths))
     got = [d.stats.total for d in autoragged.recent_decisions(enc, 150)]
     assert got == want
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batch_first):
+    """The unread mask path on the ragged side: the graph counts and packs each row's real tokens from
+    the mask itself (left padding, holes, an all-pad row), so nothing reads lengths or synchronises, and
+    the record's stats still arrive."""
+    from autoragged import _dispatch as dispatch
+
+    enc = encoder(batch_first=batch_first)
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    rt_.graph_min_seen = 1
+    B, L = 5, 70
+    arm = Arm("ragged_graph", default_ragged_config(D // H, L))
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        mask = torch.rand(B, L, generator=g) < 0.3 + 0.1 * i
+        mask[0], mask[1] = True, False  # an all-pad row, a full row
+        mask[2, :20], mask[2, 20:] = True, False  # left padding
+        mask = mask.cuda()
+        x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
+        if not batch_first:
+            x = x.transpose(0, 1).contiguous()
+        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, arm, 0, {arm.label: 1.0}]  # as if judged already
+        with torch.inference_mode():
+            y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
+            want = rt_.base.forward(enc, x, None, mask, None)
+        d = autoragged.recent_decisions(enc, 1)[0]
+        assert "not read" in d.reason and d.arm == "ragged_graph", d.reason
+        assert d.stats.total == int((~mask).sum()) and d.stats.batch == B
+        yb, wb = (y, want) if batch_first else (y.transpose(0, 1), want.transpose(0, 1))
+        keep = ~mask
+        keep[0] = False  # PyTorch's output on an all-pad row is undefined (NaN); ours is zeros
+        torch.testing.assert_close(yb[keep].float(), wb[keep].float(), rtol=2e-2, atol=2e-2)
+        assert (yb[mask] == 0).all()

@@ -380,7 +380,7 @@ def test_an_unread_batch_with_left_padding_is_still_right():
 def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
     rt = enc._autoragged
-    rt.sync_ms = 0.1
+    rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
     streak, arm, _, predicted = rt.mask_shapes[(8, 40)]
@@ -389,3 +389,62 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     assert rt.mask_shapes[(8, 40)][0] == 0
     rt._judge_shape(8, 40, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
     assert rt.mask_shapes[(8, 40)][:2] == [1, autoragged._costmodel.PADDED]
+
+
+def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
+    """Where graphs run, the ragged graph fed the mask (no lengths needed, predicted as if every row were
+    full) competes with the padded arms for the unread path."""
+    from autoragged._costmodel import Arm
+    from autoragged._planner import default_ragged_config
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
+    arm = Arm("ragged_graph", default_ragged_config(16, 40))
+    predicted = {"padded": 1.0, "padded_graph": 0.9, arm.label: 0.4}
+    rt._judge_shape(8, 40, predicted, (arm, 0.45))  # 0.45 <= 0.4 + 0.1: worth not reading
+    streak, chosen, _, recorded = rt.mask_shapes[(8, 40)]
+    assert streak == 1 and chosen == arm and recorded[arm.label] == 0.45 and predicted[arm.label] == 0.4
+    rt._judge_shape(8, 40, predicted, (arm, 0.6))  # the read is cheaper than the full-rows graph
+    assert rt.mask_shapes[(8, 40)][0] == 0
+
+
+def test_causal_mask_batches_always_read_their_lengths():
+    """The unread arms run the key padding mask alone, so a causal batch never takes them."""
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    _with_model(enc, _Prefers(padded=True))
+    with torch.no_grad():
+        for _ in range(dispatch._TRUST + 3):
+            got = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+        assert not enc._autoragged.mask_shapes
+        assert all("not read" not in d.reason for d in autoragged.recent_decisions(enc, 10))
+        autoragged.unwrap(enc)
+        want = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+    keep = ~mask
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+
+
+def test_deferred_stats_wait_on_the_pinned_slot_not_on_a_cuda_call():
+    """The recorder's thread resolves unread batches' stats by polling the slot (pre-filled with -1), never
+    by an event sync: a CUDA call from another thread invalidates any graph capture in global mode."""
+    import threading
+
+    from autoragged._costmodel import PADDED
+
+    class NoSync:
+        def synchronize(self):
+            raise AssertionError("a CUDA call while the copy could simply be waited for")
+
+    host = torch.full((3,), -1, dtype=torch.int32)
+    record = dispatch._Record(None, PADDED, {}, "unread", None, "sig")
+    record._pending = (host, NoSync(), 10, 10)
+    lands = threading.Timer(0.05, lambda: host.copy_(torch.tensor([2, 0, 5], dtype=torch.int32)))
+    lands.start()
+    try:
+        stats = record.stats
+    finally:
+        lands.join()
+    assert (stats.batch, stats.total, stats.max_len) == (3, 8 + 10 + 5, 10)
