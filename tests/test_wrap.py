@@ -61,15 +61,25 @@ def test_arms_agree_with_the_original(backend, norm_first, activation, batch_fir
     ref64 = copy.deepcopy(enc).double()
     x, mask = batch(LENGTHS, 64, backend, batch_first=batch_first)
     with torch.no_grad():
-        expect = ref64(x.double(), src_key_padding_mask=mask)
-        original = enc(x, src_key_padding_mask=mask)
+        # (reference in float64, PyTorch's own float32 result) with PyTorch's fast path as built, which the
+        # padded arm runs, and without it: on CUDA the fast path computes gelu with the tanh approximation
+        # (its fused addmm epilogue, pytorch#104061) although the module says exact gelu, as the ragged arm does
+        refs = {"padded": (ref64(x.double(), src_key_padding_mask=mask), enc(x, src_key_padding_mask=mask))}
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            refs["ragged"] = (ref64(x.double(), src_key_padding_mask=mask), enc(x, src_key_padding_mask=mask))
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
         wrapped = autoragged.wrap(enc, db=False)
         for policy in ("padded", "ragged", "auto"):
             wrapped._autoragged.policy = policy
             y = wrapped(x, src_key_padding_mask=mask)
             decision = autoragged.recent_decisions(wrapped, 1)[0]
-            assert decision.arm == ("padded" if policy == "padded" else "ragged"), decision.reason
+            # the CPU prior picks ragged here; on a GPU the graph arms compete, and any arm must agree
+            want = policy if policy != "auto" else ("ragged" if backend.type == "cpu" else None)
+            assert want is None or decision.arm == want, decision.reason
             assert y.shape == x.shape and y.dtype == x.dtype
+            expect, original = refs["padded" if decision.arm.startswith("padded") else "ragged"]
             assert_within_torch_error(
                 real_tokens(y, LENGTHS, batch_first), real_tokens(original, LENGTHS, batch_first),
                 real_tokens(expect, LENGTHS, batch_first), f"{policy} {opts}",
