@@ -28,6 +28,11 @@ the buffers, never the graph object, so no reference cycle keeps an evicted grap
 collector, and the collector is off during a capture: a collection that destroyed some unreachable graph
 mid-capture made the capture fail (CUDA forbids it), and the bucket then ran eagerly for good.
 
+A graph's static buffers (its args, layout and values) serve every replay of it, so a wrapped module's
+batches must follow one another on one stream (a replay's args copy is ordered after the previous replay
+only there); calling one wrapped module from several streams at once is not supported. The tensors a ragged
+replay reads and writes through pointers are used like any kernel's arguments on the current stream.
+
 Graphs of one module share one memory pool; at most `cap` are kept (least recently used out). A bucket
 is captured the `min_seen`-th time it is asked for (one-off shapes stay eager). A failed capture is
 remembered with its reason and the batch runs eagerly. Parameters are read in place, so in-place
