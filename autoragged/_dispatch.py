@@ -7,9 +7,10 @@ instance attribute `_autoragged` (a plain object, not a submodule).
 
 One batch (`_Runtime.run`):
  1. lengths: `lengths=` or a RaggedTensor input (no device sync), or the key padding mask (one small
-    device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape the
-    padded side keeps winning (the copy's cost counted against the ragged arms) skips the copy and
-    runs padded on the mask; its stats reach the record later, without a sync;
+    device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape that an
+    arm needing no lengths keeps winning (the copy's cost counted against the others) skips the copy and
+    runs that arm on the mask (padded, or the ragged graph fed the mask); its stats reach the record
+    later, without a sync;
  2. `BatchStats` on the host;
  3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
     reason is recorded), or chosen by the planner;
@@ -38,7 +39,7 @@ from ._device import device_key
 from ._epoch import param_epoch
 from ._layout import Layout, as_lengths
 from ._planner import Plan, Planner, default_ragged_config
-from ._ragged import RaggedTensor, _batch_major, _from_padded, _to_padded, mask_lengths
+from ._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
 from ._recorder import RECORDER
 from .nn import activation_kind, encoder_values, support_error
 
@@ -48,10 +49,10 @@ log = logging.getLogger("autoragged")
 POLICIES = ("auto", "padded", "ragged")
 _RING = 10_000
 _SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
-# Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once the planner
-# judged a (B, L) shape padded-side _TRUST times in a row, counting that cost against the ragged arms,
-# batches of the shape skip the read (every _RECHECK-th still reads, to notice a change), and the
-# padded arm runs on the mask itself (the padded graph copies it in: nothing synchronises).
+# Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once an arm that
+# needs no lengths (padded, padded graph, the ragged graph fed the mask) won a (B, L) shape _TRUST times in
+# a row, counting that cost against the others, batches of the shape skip the read (every _RECHECK-th
+# still reads, to notice a change) and run that arm on the mask itself: nothing synchronises.
 _TRUST = 3
 _RECHECK = 16
 _MAX_SHAPES = 4096
@@ -244,7 +245,7 @@ class _Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
         self.count = 0
-        # (B, L) -> [padded-side verdicts in a row, the arm, batches since trusted, the last predictions]
+        # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
@@ -403,28 +404,17 @@ class _Runtime:
         note = None
         if not arm.graph:
             pass
-        elif not x.is_cuda:
-            note = "CUDA graphs need a GPU"
         elif not self.graphs_enabled:
             note = "graphs are off (wrap(graphs=False))"
+        elif self._graph_cache(x) is None:
+            note = "CUDA graphs need a GPU"
         else:
-            if self.graphs is None:
-                from ._graphs import GraphCache
-
-                self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
             if arm.ragged:
                 graph, note = self.graphs.ragged_mask(self, module, arm.config, False, B, L, x.dtype, x.device)
-                if graph is not None:
-                    seq_axis = 1 if self.batch_first else 0
-                    x_in = x if x.stride(-1) == 1 else x.contiguous()
-                    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-                    mask = kpm if kpm.stride(-1) == 1 else kpm.contiguous()
-                    graph.run_mask(_batch_major(x_in, seq_axis), mask, _batch_major(out, seq_axis))
-                    return out, graph.pads, graph.slot, None
             else:
                 graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
-                if graph is not None:
-                    return graph.run_mask(x, kpm), graph.pads, graph.length, None
+            if graph is not None:
+                return graph.run_mask(x, kpm), graph.pads, graph.width, None
         out = self.base.forward(module, x, None, kpm, None)
         out = out.masked_fill(kpm[..., None] if self.batch_first else kpm.t()[..., None], 0.0)
         return out, kpm.sum(1, dtype=torch.int32), L, note
@@ -548,12 +538,8 @@ class _Runtime:
 
     def _execute_graph(self, module, arm, src, x, ragged_in, attn_mask, causal, lens, L, stats, seq_axis):
         """(output, None) from a replayed graph, or (None, why it must run eagerly)."""
-        if not x.is_cuda:
+        if self._graph_cache(x) is None:
             return None, "CUDA graphs need a GPU"
-        if self.graphs is None:
-            from ._graphs import GraphCache
-
-            self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
         if arm.ragged:
             align = arm.config.align
             rows = stats.total if align == 1 else Layout.make(lens, align).rows
@@ -567,11 +553,7 @@ class _Runtime:
             # the context costs tens of microseconds of host time on a launch-bound batch
             if ragged_in:
                 return src.with_values(graph.run_values(x, lens)), None
-            # the graph reads x and writes out through their pointers: no copy into or out of static buffers
-            x_in = x if x.stride(-1) == 1 else x.contiguous()
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            graph.run_padded(_batch_major(x_in, seq_axis), lens, _batch_major(out, seq_axis))
-            return out, None
+            return graph.run_padded(x, lens), None  # reads x, writes a fresh output: no copies in or out
         if attn_mask is not None:
             return None, "the padded graph takes no attn_mask"
         padded = _to_padded(src, 0.0, L, seq_axis) if ragged_in else x
@@ -580,6 +562,16 @@ class _Runtime:
             return None, note
         out = graph.run(padded, lens)
         return (_from_padded(out, lens, src.align, seq_axis) if ragged_in else out), None
+
+    def _graph_cache(self, x: torch.Tensor):
+        """The module's GraphCache (made on first use), or None for an input off the GPU."""
+        if not x.is_cuda:
+            return None
+        if self.graphs is None:
+            from ._graphs import GraphCache
+
+            self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
+        return self.graphs
 
     def _execute_padded(self, module, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats, seq_axis):
         padded_in = _to_padded(src, 0.0, L, seq_axis) if ragged_in else src

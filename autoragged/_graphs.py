@@ -51,6 +51,7 @@ from kernels import graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
+from ._ragged import _batch_major
 
 __all__ = ["GraphCache", "record_event"]
 
@@ -134,7 +135,8 @@ class _RaggedGraph:
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         D = runtime.layers[0].self_attn.embed_dim
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
-        self.dtype, self.device, self.slot = dtype, device, max_len
+        self.dtype, self.device, self.batch_first = dtype, device, runtime.batch_first
+        self.width = max_len  # io="mask": the columns `pads` counts over (each row's slot)
         programs = self.programs = rows // config.block_m + batch
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
@@ -193,30 +195,37 @@ class _RaggedGraph:
                 f"dim, got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
             )
 
-    def run_padded(self, x_bld: torch.Tensor, lengths, out_bld: torch.Tensor) -> None:
-        """Run the batch x_bld (B, L, D), batch-major view of the input, into out_bld (B, L, D), the
-        batch-major view of a tensor the caller made (every element is written: pads are zeros)."""
-        B, L, _ = x_bld.shape
+    def _io(self, x: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        """(the args' head for input x as the module takes it, a fresh output of x's shape): the graph reads
+        x and writes the output through their pointers, batch-major views of either layout."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        seq_axis = 1 if self.batch_first else 0
+        x_bld, out_bld = _batch_major(x, seq_axis), _batch_major(out, seq_axis)
         self._check("input", x_bld, x_bld.shape, self.dtype)
-        self._check("output", out_bld, x_bld.shape, self.dtype)
-        head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L)
+        B, L, _ = x_bld.shape
+        return (x_bld.data_ptr(), out.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L), out
+
+    def run_padded(self, x: torch.Tensor, lengths) -> torch.Tensor:
+        """The output of the batch x (as the module takes it) of host `lengths`; pads are zeros."""
+        head, out = self._io(x)
         self._load_args(head, lengths)
         self.graph.replay()
+        return out
 
-    def run_mask(self, x_bld: torch.Tensor, mask: torch.Tensor, out_bld: torch.Tensor) -> None:
-        """io="mask": run the batch x_bld (B, L, D) with its key padding mask (B, L) bool, True = pad, any
-        pattern, into out_bld; no lengths needed, nothing synchronises. `self.pads` holds each row's pad
-        count over `self.slot` columns until the next replay."""
-        B, L, _ = x_bld.shape
-        if B != self.batch or L > self.slot:
-            raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.slot} long, got ({B}, {L})")
-        self._check("input", x_bld, x_bld.shape, self.dtype)
-        self._check("output", out_bld, x_bld.shape, self.dtype)
+    def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """io="mask": the output of the batch x with its key padding mask (B, L) bool, True = pad, any
+        pattern; no lengths needed, nothing synchronises. `self.pads` holds each row's pad count over
+        `self.width` columns until the next replay."""
+        head, out = self._io(x)
+        B, L = head[6], head[7]
+        if B != self.batch or L > self.width:
+            raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.width} long, got ({B}, {L})")
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
         self._check("mask", mask, (B, L), torch.bool)
-        head = (x_bld.data_ptr(), out_bld.data_ptr(), *x_bld.stride()[:2], *out_bld.stride()[:2], B, L,
-                mask.data_ptr(), *mask.stride())  # fmt: skip
-        self._load_args(head)
+        self._load_args((*head, mask.data_ptr(), *mask.stride()))
         self.graph.replay()
+        return out
 
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
         self._load_args((0, 0, 0, 0, 0, 0, len(lengths), 0), lengths)
@@ -234,7 +243,7 @@ class _PaddedGraph:
     def __init__(self, runtime, module, key, dtype, device, pool):
         batch, length, io = key[1], key[2], key[3]
         D = runtime.layers[0].self_attn.embed_dim
-        self.batch_first, self.length = runtime.batch_first, length
+        self.batch_first, self.width = runtime.batch_first, length
         shape = (batch, length, D) if self.batch_first else (length, batch, D)
         x = self.x = torch.zeros(shape, dtype=dtype, device=device)
         # Everything the graph reads must outlive it: static buffers live on self, and the capture closure
@@ -282,7 +291,7 @@ class _PaddedGraph:
 
     def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x as the module takes it, mask (B, L) bool, True = pad (any pattern, not only right padding).
-        Returns the output; `self.pads` holds each row's pad count over the bucket's `self.length` columns
+        Returns the output; `self.pads` holds each row's pad count over the bucket's `self.width` columns
         until the next replay."""
         L = mask.shape[1]
         if self.batch_first:
