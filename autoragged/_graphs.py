@@ -62,10 +62,7 @@ class _StaticLayout:
     """What the ragged kernels read of a layout, as views of one static int32 buffer."""
 
     def __init__(self, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, max_len: int):
-        self.offsets = meta[: batch + 1]
-        self.lengths = meta[batch + 1 : 2 * batch + 1]
-        self.grid_mapping = meta[2 * batch + 1 : 2 * batch + 1 + programs]
-        self.block_offsets = meta[2 * batch + 1 + programs :]
+        self.offsets, self.lengths, self.grid_mapping, self.block_offsets = graph_layout.sections(meta, batch, programs)
         self.block_m, self.align, self.max_len = block_m, align, max_len
 
     def device_meta(self, device):

@@ -31,11 +31,17 @@ from ._triton import tl, triton
 from .masked_pack import MASK_ARGS
 from .ragged_pack import ARGS_HEAD
 
-__all__ = ["layout", "layout_ref", "meta_size"]
+__all__ = ["layout", "layout_ref", "meta_size", "sections"]
 
 
 def meta_size(batch: int, programs: int) -> int:
     return 2 * batch + 1 + programs + batch + 1
+
+
+def sections(meta, batch: int, programs: int):
+    """(offsets, lengths, grid_mapping, block_offsets): views of `meta` (a tensor or an array)."""
+    grid = 2 * batch + 1
+    return meta[: batch + 1], meta[batch + 1 : grid], meta[grid : grid + programs], meta[grid + programs :]
 
 
 @triton.jit
@@ -121,19 +127,17 @@ def layout_ref(
     counts = (lens + block_m - 1) // block_m
     if meta is None:
         meta = np.empty(meta_size(batch, programs), dtype=np.int32)
-    offsets = meta[: batch + 1]
+    offsets, lengths_out, grid, block_offsets = sections(meta, batch, programs)
     offsets[0] = 0
     np.cumsum(ext, out=offsets[1 : B + 1])
     offsets[B + 1 :] = offsets[B]
-    meta[batch + 1 : batch + 1 + B] = lens
-    meta[batch + 1 + B : 2 * batch + 1] = 0
-    grid = meta[2 * batch + 1 : 2 * batch + 1 + programs]
+    lengths_out[:B] = lens
+    lengths_out[B:] = 0
     used = int(counts.sum())
     if used > programs:
         raise ValueError(f"{used} row blocks of {block_m} do not fit {programs} programs")
     grid[:used] = np.repeat(np.arange(B, dtype=np.int32), counts)
     grid[used:] = -1
-    block_offsets = meta[2 * batch + 1 + programs :]
     block_offsets[0] = 0
     np.cumsum(counts, out=block_offsets[1 : B + 1])
     block_offsets[B + 1 :] = block_offsets[B]
