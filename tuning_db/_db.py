@@ -273,6 +273,33 @@ def _check_not_newer(db: sqlite_utils.Database, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- API
 
 
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(
+        f"{path.as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
+    )
+
+
+def _migrate(db: sqlite_utils.Database, path: Path) -> None:
+    _check_not_newer(db, path)
+    applied = migrate(db)
+    _check_not_newer(db, path)  # a newer process may have migrated while we did
+    log.debug("tuning database %s open (schema %d, applied now: %s)", path, len(MIGRATIONS), applied)
+
+
+def _check_readable(db: sqlite_utils.Database, path: Path) -> None:
+    """A reader must not change a file it was merely pointed at: refuse what it would have to migrate."""
+    _check_not_newer(db, path)
+    applied = applied_migrations(db)
+    if not applied:
+        raise DatabaseError(f"{path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
+    missing = [name for name, _ in MIGRATIONS if name not in applied]
+    if missing:
+        raise DatabaseError(
+            f"the tuning database {path} is at an older schema (missing {', '.join(missing)}); open it "
+            "read-write once to migrate it, e.g. python -m autoragged.tune --refit"
+        )
+
+
 class TuningDB:
     """An open tuning database. Build with `TuningDB.open(path)`; also a context manager that closes it."""
 
@@ -294,57 +321,29 @@ class TuningDB:
         Raises DatabaseError, naming the path and the remedy, for a directory, an unwritable location, a
         file that is not SQLite or is corrupt, or a schema written by a newer autoragged.
         """
-        import sqlite_utils
-
         db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
         if readonly:
-            return cls._open_readonly(db_path)
+            if not db_path.is_file():
+                raise DatabaseError(f"no tuning database at {db_path} (nothing was recorded there yet)")
+            return cls._open_with(db_path, "opening it read-only", _connect_readonly, _check_readable)
         _check_location(db_path)
-        conn = None
-        try:
-            conn = _connect(db_path)
-            db = sqlite_utils.Database(conn, execute_plugins=False)
-            _check_not_newer(db, db_path)
-            applied = migrate(db)
-            _check_not_newer(db, db_path)  # a newer process may have migrated while we did
-        except sqlite3.Error as e:
-            if conn is not None:
-                conn.close()
-            raise explain(e, db_path, "opening it") from e
-        except BaseException:
-            if conn is not None:
-                conn.close()
-            raise
-        log.debug("tuning database %s open (schema %d, applied now: %s)", db_path, len(MIGRATIONS), applied)
-        return cls(db_path, conn, db)
+        return cls._open_with(db_path, "opening it", _connect, _migrate)
 
     @classmethod
-    def _open_readonly(cls, db_path: Path) -> TuningDB:
+    def _open_with(cls, db_path: Path, doing: str, connect, prepare) -> TuningDB:
+        """connect(path), then prepare(db, path); the connection is closed on any error, and SQLite's
+        errors are explained with the path."""
         import sqlite_utils
 
-        if not db_path.is_file():
-            raise DatabaseError(f"no tuning database at {db_path} (nothing was recorded there yet)")
         conn = None
         try:
-            conn = sqlite3.connect(
-                f"{db_path.as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
-                isolation_level=None,
-            )  # fmt: skip
+            conn = connect(db_path)
             db = sqlite_utils.Database(conn, execute_plugins=False)
-            _check_not_newer(db, db_path)
-            applied = applied_migrations(db)
-            if not applied:
-                raise DatabaseError(f"{db_path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
-            missing = [name for name, _ in MIGRATIONS if name not in applied]
-            if missing:
-                raise DatabaseError(
-                    f"the tuning database {db_path} is at an older schema (missing {', '.join(missing)}); open it "
-                    "read-write once to migrate it, e.g. python -m autoragged.tune --refit"
-                )
+            prepare(db, db_path)
         except sqlite3.Error as e:
             if conn is not None:
                 conn.close()
-            raise explain(e, db_path, "opening it read-only") from e
+            raise explain(e, db_path, doing) from e
         except BaseException:
             if conn is not None:
                 conn.close()
