@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ladder", "ragged_bucket", "padded_bucket", "next_pow2", "LADDER_VERSION"]
+from kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
+
+__all__ = ["ladder", "ragged_bucket", "padded_bucket", "LADDER_VERSION"]
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
 # other work, and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
 LADDER_VERSION = 2
-
-
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def ladder(n: int, *, floor: int, multiple: int, steps: int = 4) -> int:
