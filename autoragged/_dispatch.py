@@ -39,7 +39,7 @@ from ._device import device_key
 from ._epoch import param_epoch
 from ._layout import Layout, as_lengths
 from ._planner import Plan, Planner, default_ragged_config
-from ._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
+from ._ragged import RaggedTensor, _from_padded, _to_padded, _zero_pads, mask_lengths
 from ._recorder import RECORDER
 from .nn import activation_kind, encoder_values, support_error
 
@@ -416,7 +416,7 @@ class _Runtime:
             if graph is not None:
                 return graph.run_mask(x, kpm), graph.pads, graph.width, None
         out = self.base.forward(module, x, None, kpm, None)
-        out = out.masked_fill(kpm[..., None] if self.batch_first else kpm.t()[..., None], 0.0)
+        out = _zero_pads(out, kpm, self.batch_first)
         return out, kpm.sum(1, dtype=torch.int32), L, note
 
     def _log_summary(self) -> None:
@@ -582,7 +582,7 @@ class _Runtime:
         out = self.base.forward(module, padded_in, attn_mask, pad_mask, is_causal)
         if has_pads and pad_mask is not None:
             mask = pad_mask.bool() if pad_mask.dtype == torch.bool else torch.isneginf(pad_mask)
-            out = out.masked_fill(mask[..., None] if self.batch_first else mask.t()[..., None], 0.0)
+            out = _zero_pads(out, mask, self.batch_first)
         if ragged_in:
             return _from_padded(out, lens, src.align, seq_axis)
         return out

@@ -51,7 +51,7 @@ from kernels import graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
-from ._ragged import _batch_major
+from ._ragged import _batch_major, _zero_pads
 
 __all__ = ["GraphCache", "record_event"]
 
@@ -257,7 +257,7 @@ class _PaddedGraph:
         def run():
             mask = static_mask if io == "mask" else positions[None, :] >= lengths[:, None]
             out = forward(module, x, None, mask, None)
-            out = out.masked_fill(mask[..., None] if batch_first else mask.t()[..., None], 0.0)
+            out = _zero_pads(out, mask, batch_first)
             # io="mask": each row's pad count, for the decision record
             return (out, mask.sum(1, dtype=torch.int32)) if io == "mask" else out
 

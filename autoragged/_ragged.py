@@ -304,6 +304,11 @@ def _check_padded(x: object, seq_axis: int) -> None:
         raise TypeError("got a nested tensor; use RaggedTensor.from_nested")
 
 
+def _zero_pads(out: torch.Tensor, mask: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """out (B, L, D), or (L, B, D) when not batch_first, with the positions of `mask` (B, L) set to 0."""
+    return out.masked_fill(mask[..., None] if batch_first else mask.t()[..., None], 0.0)
+
+
 def _batch_major(x: torch.Tensor, seq_axis: int) -> torch.Tensor:
     """View x as (B, L, D) with the features flattened (a copy only if the features are not contiguous)."""
     if seq_axis == 0:
