@@ -161,10 +161,10 @@ def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
     for m in measurements:
         if not (m.median_ms > 0 and math.isfinite(m.median_ms)):
             continue
-        if m.arm.endswith("_graph") and m.extra.get("ladder") != LADDER_VERSION:
+        a = arm_of(m)
+        if a.graph and m.extra.get("ladder") != LADDER_VERSION:
             continue  # a graph measured on buckets of another ladder: its work was not what features() says
         sig = ModuleSignature.from_key(m.signature)
-        a = arm_of(m)
         X.append(features(sig, m.stats, [a])[0])
         p_ms = float(prior.predict_ms(sig, m.stats, [a])[0])
         p.append(p_ms)
