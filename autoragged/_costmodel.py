@@ -84,7 +84,7 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     else:
         c = arm.config
         rows = stats.total + B * (c.align - 1) / 2  # alignment gaps, on average half an align each
-        if arm.graph:  # the bucket's spare rows are computed too
+        if arm.graph and c.backend == "cublas":  # cuBLAS computes the bucket's spare rows too (Triton stops)
             rows = float(ragged_bucket(int(rows), B, L)[0])
         # each component's queries round up to block_m and its keys to block_n
         attn = stats.sum_sq + (c.block_m + c.block_n) / 2 * stats.total + c.block_m * c.block_n / 4 * B
@@ -95,7 +95,8 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 4  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row
+FEATURE_VERSION = 5  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
+# linears of a ragged graph stop at the batch's rows (no bucket rows)
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
@@ -161,6 +162,7 @@ class AnalyticPrior:
             self.padded_launch_ms = self.ragged_launch_ms = 0.02
             self.fixed_ragged_ms = 0.05
             self.graph_ms = 0.05
+            self.triton_linear_share = 1.0
         else:
             scale = device.sm_count / 132
             self.linear_rate = 4e14 * scale
@@ -171,6 +173,9 @@ class AnalyticPrior:
             self.ragged_launch_ms = 0.07
             self.fixed_ragged_ms = 0.03
             self.graph_ms = 0.04  # one replay plus the copies in and out, whatever the depth
+            # our Triton linear's rate against cuBLAS's in a graph, default tiles: geomean 0.70x (0.48-0.99) at
+            # 400-16K rows (benchmarks/linear_tiles.py, H100, 2026-11-23)
+            self.triton_linear_share = 0.7
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
         out = np.empty(len(arms))
@@ -182,6 +187,9 @@ class AnalyticPrior:
             else:
                 launch = sig.layers * (self.ragged_launch_ms if ragged else self.padded_launch_ms)
             attn_rate = self.ragged_attention_rate if ragged else self.padded_attention_rate
-            seconds = w.linear_flops / self.linear_rate + w.attention_flops / attn_rate + w.bytes / self.bandwidth
+            linear_rate = self.linear_rate
+            if ragged and arm.config is not None and arm.config.backend == "triton":
+                linear_rate *= self.triton_linear_share
+            seconds = w.linear_flops / linear_rate + w.attention_flops / attn_rate + w.bytes / self.bandwidth
             out[i] = launch + (self.fixed_ragged_ms if ragged else 0.0) + 1e3 * seconds
         return out

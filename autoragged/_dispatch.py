@@ -38,7 +38,7 @@ from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from ._device import device_key
 from ._epoch import param_epoch
 from ._layout import Layout, as_lengths
-from ._planner import Plan, Planner, default_ragged_config
+from ._planner import GRAPH_BACKENDS, Plan, Planner, default_ragged_config, graph_config
 from ._ragged import RaggedTensor, _from_padded, _to_padded, _zero_pads, mask_lengths
 from ._recorder import RECORDER
 from .nn import activation_kind, encoder_values, support_error
@@ -245,7 +245,8 @@ class _Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
         self.count = 0
-        # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions]
+        # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions,
+        #           the last judged batch's tokens (the mask graph's linears pick their tiles for them)]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
@@ -283,7 +284,7 @@ class _Runtime:
                 if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
                     shape[2] += 1
                     if shape[2] % _RECHECK:
-                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3])
+                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3], shape[4])
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
             if mask_only:
@@ -299,7 +300,7 @@ class _Runtime:
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
         if mask_only and free:
-            self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_ms(x.device, B, L))
+            self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(x.device, stats), stats.total)
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
         if sampled and self.explore and free:
@@ -343,46 +344,38 @@ class _Runtime:
         not the read's doing; an average of those had every shape skip its reads."""
         return min(self.sync_samples) if self.sync_samples else 0.0
 
-    def _mask_graph_ms(self, device: torch.device, B: int, L: int) -> tuple[Arm, float] | None:
-        """(arm, predicted ms) of the ragged graph that runs a (B, L) mask without reading its lengths, or
-        None where graphs do not run. It computes the linears and norms on all B x L rows, so it is
-        predicted as the ragged graph of a batch with every row L long (an upper bound: attention there
-        counts pads as real)."""
+    def _mask_graph_arm(self, device: torch.device, stats: BatchStats) -> Arm | None:
+        """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
+        rows the graph counts on the device), or None where graphs do not run. Fed the mask or the lengths
+        it does the same work, so the batch's own prediction for it holds for either."""
         if not (self.graphs_enabled and device.type == "cuda"):
             return None
-        arm = Arm("ragged_graph", default_ragged_config(self.sig.d_model // max(self.sig.heads, 1), L))
-        ms = self._plan(device, BatchStats.from_lengths((L,) * B, padded_len=L), None).predicted_ms.get(arm.label)
-        return None if ms is None else (arm, ms)
+        return Arm("ragged_graph", graph_config(self.sig.d_model // max(self.sig.heads, 1), stats.max_len, "triton"))
 
-    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_graph=None) -> None:
-        """Would an arm that needs no lengths (the padded arms, or the ragged graph fed the mask, whose
-        (arm, ms) is `mask_graph`) have won this mask-only batch, counting the read's cost against the
-        arms that need them?"""
+    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
+        """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
+        mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?"""
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
         needs_lengths = [v for k, v in predicted.items() if k not in unread]
-        if mask_graph is not None:
-            unread["ragged_graph_mask"] = mask_graph[1]
+        if mask_arm is not None and mask_arm.label in predicted:
+            unread[mask_arm.label] = predicted[mask_arm.label]
         if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
             self.mask_shapes.clear()
-        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0, {}])
+        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0, {}, 0])
         best = min(unread, key=unread.get) if unread else None
         if best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms):
             entry[0] += 1
-            if best == "ragged_graph_mask":
-                entry[1] = mask_graph[0]
-                entry[3] = {**predicted, mask_graph[0].label: mask_graph[1]}  # what this arm was predicted at
-            else:
-                entry[1] = PADDED_GRAPH if best == "padded_graph" else PADDED
-                entry[3] = predicted
+            entry[1] = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            entry[3], entry[4] = predicted, tokens
         else:
             entry[0] = 0
 
-    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float]):
+    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float], tokens: int):
         """A mask-only batch of a shape where an arm that needs no lengths wins: run it on the mask, lengths
-        never read. The record carries the predictions of the shape's last judged batch."""
+        never read. The record carries the predictions of the shape's last judged batch (of `tokens`)."""
         self.count += 1
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
-        out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm)
+        out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm, tokens)
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
         record = _Record(None, arm, predicted, why, device_key(x.device), self.sig_key)
@@ -398,9 +391,10 @@ class _Runtime:
             self._log_summary()
         return out
 
-    def _execute_unread(self, module, x, kpm, B: int, L: int, arm: Arm):
+    def _execute_unread(self, module, x, kpm, B: int, L: int, arm: Arm, tokens: int = 0):
         """(output, per-row pad counts, the columns they count over, None) of an arm run on the mask itself
-        (a padded arm, or the ragged graph fed the mask); the note says why it ran eagerly padded instead."""
+        (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens` rows when > 0); the
+        note says why it ran eagerly padded instead."""
         note = None
         if not arm.graph:
             pass
@@ -410,7 +404,9 @@ class _Runtime:
             note = "CUDA graphs need a GPU"
         else:
             if arm.ragged:
-                graph, note = self.graphs.ragged_mask(self, module, arm.config, False, B, L, x.dtype, x.device)
+                graph, note = self.graphs.ragged_mask(
+                    self, module, arm.config, False, B, L, x.dtype, x.device, tokens or None
+                )
             else:
                 graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
             if graph is not None:
@@ -508,10 +504,10 @@ class _Runtime:
         graphs = self.graphs_enabled and device.type == "cuda"
 
         def candidates(stats: BatchStats) -> list[Arm]:
-            default = default_ragged_config(head_dim, stats.max_len)
-            arms = shortlist(stats) if shortlist else [Arm("ragged", default)]
-            if graphs:  # replayed as graphs, with the config the tuner measures graphs with
-                arms = [*arms, Arm("ragged_graph", default), PADDED_GRAPH]
+            arms = shortlist(stats) if shortlist else [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
+            if graphs:  # replayed as graphs, with the configs the tuner measures graphs with
+                arms = [*arms, *(Arm("ragged_graph", graph_config(head_dim, stats.max_len, b)) for b in GRAPH_BACKENDS)]
+                arms.append(PADDED_GRAPH)
             return arms
 
         return Planner(self.sig, model, candidates)

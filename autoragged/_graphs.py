@@ -9,12 +9,17 @@ ragged_graph: the layout, pack, the encoder layers on static values of `rows` bu
     writes a fresh output through pointers (kernels/ragged_pack.py, indirect forms). Per batch: one
     host->device copy of those arguments (pointers, strides, sizes, lengths: through pinned memory, no
     sync) and the replay; no numpy, no copy of the input in or of the output out, no Triton launch from
-    Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit;
-    spare rows are computed by the row-wise kernels and read by nothing.
+    Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit.
+    The bucket's spare rows: Triton linears and norms (KernelConfig.backend "triton") stop at the rows
+    the batch fills, which the layout holds on the device (`Layout.live`); cuBLAS computes them too (it
+    needs its row count on the host), and nothing reads them.
     io="mask": a mask-only batch whose lengths are never read (the shape was judged to win without them):
-    each row gets a slot of the padded bucket's length, the graph counts its real tokens from the mask
-    and packs them, in any padding pattern, into the slot (kernels/masked_pack.py). The linears and
-    norms run on all batch x slot rows; attention only on real tokens. Nothing synchronises.
+    the graph counts each row's real tokens from the mask, builds the layout from those counts and packs
+    the tokens, in any padding pattern, back to back (kernels/masked_pack.py), in values with room for
+    batch x padded-bucket rows. Only the device knows how many rows the batch fills, so the linears are
+    our Triton kernel (cuBLAS needs the row count on the host) and they and the norms read that count
+    and stop there (`Layout.live`): the work is that of the real tokens, as with io="padded". Nothing
+    synchronises.
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
     mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
     (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
@@ -59,11 +64,13 @@ log = logging.getLogger("autoragged")
 
 
 class _StaticLayout:
-    """What the ragged kernels read of a layout, as views of one static int32 buffer."""
+    """What the ragged kernels read of a layout, as views of one static int32 buffer. `live` (as on
+    `Layout`): None, or a device view of the rows the batch fills."""
 
     def __init__(self, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, max_len: int):
         self.offsets, self.lengths, self.grid_mapping, self.block_offsets = graph_layout.sections(meta, batch, programs)
         self.block_m, self.align, self.max_len = block_m, align, max_len
+        self.live = self.tile_rows = None
 
     def device_meta(self, device):
         return self.offsets, self.lengths
@@ -128,12 +135,12 @@ class _RaggedGraph:
     io="values": the layout and the layers, for RaggedTensor inputs (copy values in and out).
     Per batch, one host->device copy of the args: pointers, strides, sizes and lengths."""
 
-    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool):
+    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         D = runtime.layers[0].self_attn.embed_dim
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
         self.dtype, self.device, self.batch_first = dtype, device, runtime.batch_first
-        self.width = max_len  # io="mask": the columns `pads` counts over (each row's slot)
+        self.width = max_len  # io="mask": the columns `pads` counts over (the padded bucket length)
         programs = self.programs = rows // config.block_m + batch
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
@@ -144,6 +151,8 @@ class _RaggedGraph:
         args = self.args = torch.zeros(n_args, dtype=torch.int64, device=device)
         self.ring = _PinnedRing(args.numel(), torch.int64)
         layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
+        layout.live = layout.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
+        layout.tile_rows = tile_rows
         from .nn import encoder_values
 
         enc_layers, norm, block_m, align = runtime.layers, runtime.norm, config.block_m, config.align
@@ -154,15 +163,15 @@ class _RaggedGraph:
 
         if io == "values":
             run = lambda: layers(values)  # noqa: E731
-        elif io == "mask":  # rows = batch * slot: row b's real tokens fill the slot at b * slot
-            slot = max_len
+        elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
+            width = max_len
 
             def run():
-                graph_layout.layout(args, meta, batch, programs, block_m, 1, slot)
-                masked_pack.pack_masked(args, values, batch, slot)
+                graph_layout.layout(args, meta, batch, programs, block_m, 1, from_mask=True)
+                masked_pack.pack_masked(args, values, layout.offsets, batch, width)
                 out = encoder_values(enc_layers, norm, values, layout, config, causal)
-                masked_pack.unpack_masked(args, out, batch, slot)
-                return slot - layout.lengths  # each row's pads over `slot` columns, for the decision record
+                masked_pack.unpack_masked(args, out, layout.offsets, batch, width)
+                return width - layout.lengths  # each row's pads over `width` columns, for the decision record
 
         else:
             extent = -(-max_len // align) * align
@@ -396,13 +405,18 @@ class GraphCache:
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
         return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
 
-    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device):
-        """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read: a slot of the
-        padded bucket's length per row."""
+    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None):
+        """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
+        batch rows of the padded bucket's length. `config` must name Triton linears (see io="mask");
+        `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture."""
+        if config.backend != "triton":
+            raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self._check_params(module)
-        slot = padded_bucket(batch, seq_len)[1]
-        key = ("ragged", batch * slot, batch, slot, config, causal, "mask")
-        return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
+        width = padded_bucket(batch, seq_len)[1]
+        key = ("ragged", batch * width, batch, width, config, causal, "mask")
+        return self._get(
+            key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)
+        )
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths"):
         self._check_params(module)

@@ -98,6 +98,12 @@ class Layout:
         "_gaps",
         "__weakref__",
     )
+    # The rows a batch fills, as a (1,) device tensor, where only the device knows them: a CUDA graph's
+    # layout built in the graph (autoragged/_graphs.py). Row-wise kernels stop there. A host layout: None.
+    live = None
+    # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a mask graph's
+    # values have room for every row at full length, and a batch fills a fraction. None: x's rows.
+    tile_rows = None
 
     def __init__(self, lengths: tuple[int, ...], align: int, offsets: tuple[int, ...], rows: int, canonical: bool):
         self.lengths = lengths

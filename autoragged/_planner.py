@@ -23,7 +23,7 @@ from tuning_db.records import BatchStats, ModuleSignature
 
 from ._costmodel import PADDED, Arm
 
-__all__ = ["Plan", "Planner", "default_ragged_config", "bucket_key"]
+__all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BACKENDS", "bucket_key"]
 
 _CACHE_SIZE = 4096
 
@@ -39,6 +39,17 @@ def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
     """The ragged arm's config before any tuning: the attention kernel's default tiles, packed layout,
     cuBLAS linears (cuBLAS beat our Triton linear at large T on the H100, benchmarks/kernels.py)."""
     return k_attn.default_config(head_dim, max_len).replace(backend="cublas", align=1)
+
+
+# The ragged graph arm comes with either linear backend: cuBLAS computes the graph's whole row bucket,
+# our Triton linears stop at the rows the batch fills (a count only the device holds), which is also what
+# lets a graph run a mask whose lengths were never read.
+GRAPH_BACKENDS = ("cublas", "triton")
+
+
+def graph_config(head_dim: int, max_len: int, backend: str) -> KernelConfig:
+    """The config of the ragged graph arm with linears of `backend` (one of GRAPH_BACKENDS)."""
+    return default_ragged_config(head_dim, max_len).replace(backend=backend)
 
 
 def _log_bucket(x: int) -> int:

@@ -99,17 +99,17 @@ def mha_values(
     """Self-attention of `mha` on values x (rows, D) -> (rows, D)."""
     rows, D = x.shape
     H = mha.num_heads
-    lin = linear_config(config)
-    qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin)
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
+    qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin, live=live, rows=tiles)
     q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     a = attention_values(q, k, v, layout, causal=causal, config=config)
-    return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin)
+    return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin, live=live, rows=tiles)
 
 
-def _feed_forward(layer: nn.TransformerEncoderLayer, x: torch.Tensor, config: KernelConfig | None) -> torch.Tensor:
-    lin = linear_config(config)
-    h = linear_values(x, layer.linear1.weight, layer.linear1.bias, activation_kind(layer), lin)
-    return linear_values(h, layer.linear2.weight, layer.linear2.bias, None, lin)
+def _feed_forward(layer: nn.TransformerEncoderLayer, x: torch.Tensor, config: KernelConfig | None, layout: Layout):
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
+    h = linear_values(x, layer.linear1.weight, layer.linear1.bias, activation_kind(layer), lin, live=live, rows=tiles)
+    return linear_values(h, layer.linear2.weight, layer.linear2.bias, None, lin, live=live, rows=tiles)
 
 
 _CUBLAS = KernelConfig(backend="cublas")
@@ -129,28 +129,34 @@ def encoder_values(
     config: KernelConfig | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """Run `layers` (and the final `norm`) on values x (rows, D); gap rows of the result are unspecified."""
+    """Run `layers` (and the final `norm`) on values x (rows, D); gap rows of the result are unspecified,
+    and so are rows from `layout.live` on where the layout has one."""
+    live = layout.live
+
+    def add_norm(a, residual, ln: nn.LayerNorm, store_sum=False):
+        return add_layer_norm_values(a, residual, *_norm_args(ln), store_sum=store_sum, live=live)
+
     pending: torch.Tensor | None = None  # pre-norm: the feed-forward output not yet added to x
     for layer in layers:
         if layer.norm_first:
             if pending is None:
-                h, _ = add_layer_norm_values(x, None, *_norm_args(layer.norm1))
+                h, _ = add_norm(x, None, layer.norm1)
             else:  # the previous layer's x + ff(x), fused into this layer's first norm
-                h, x = add_layer_norm_values(pending, x, *_norm_args(layer.norm1), store_sum=True)
+                h, x = add_norm(pending, x, layer.norm1, True)
             a = mha_values(layer.self_attn, h, layout, config, causal)
-            h, x = add_layer_norm_values(a, x, *_norm_args(layer.norm2), store_sum=True)
-            pending = _feed_forward(layer, h, config)
+            h, x = add_norm(a, x, layer.norm2, True)
+            pending = _feed_forward(layer, h, config, layout)
         else:
             a = mha_values(layer.self_attn, x, layout, config, causal)
-            x, _ = add_layer_norm_values(a, x, *_norm_args(layer.norm1))
-            f = _feed_forward(layer, x, config)
-            x, _ = add_layer_norm_values(f, x, *_norm_args(layer.norm2))
+            x, _ = add_norm(a, x, layer.norm1)
+            f = _feed_forward(layer, x, config, layout)
+            x, _ = add_norm(f, x, layer.norm2)
     if pending is not None:
         if norm is not None:
-            return add_layer_norm_values(pending, x, *_norm_args(norm))[0]
+            return add_norm(pending, x, norm)[0]
         return x + pending
     if norm is not None:
-        return add_layer_norm_values(x, None, *_norm_args(norm))[0]
+        return add_norm(x, None, norm)[0]
     return x
 
 

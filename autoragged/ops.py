@@ -81,10 +81,16 @@ def linear_values(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     config: KernelConfig | None = None,
+    *,
+    live: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N)."""
+    """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N). `live`, a device tensor whose first
+    element counts the rows needed, lets the Triton kernel skip the rest (their output is unspecified);
+    cuBLAS and the references compute every row. Without a `config`, the Triton tiles are picked for
+    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`."""
     k_lin.check_inputs(x, weight, bias, activation)
-    config = config or k_lin.default_config(weight.shape[0], weight.shape[1])
+    config = config or k_lin.default_config(weight.shape[0], weight.shape[1], rows or x.shape[0])
     if config.backend == "cublas":
         return k_lin.cublas_linear(x, weight, bias, activation)
     if not use_triton(x):
@@ -103,7 +109,7 @@ def linear_values(
             c.num_stages,
             c.group_m,
         )
-    return k_lin.ragged_linear(x, weight, bias, activation, config)
+    return k_lin.ragged_linear(x, weight, bias, activation, config, live=live)
 
 
 def bmm_values(
@@ -133,8 +139,9 @@ def add_layer_norm_values(
     *,
     store_sum: bool = False,
     config: KernelConfig | None = None,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(LN(x + residual), the sum if store_sum) over all rows."""
+    """(LN(x + residual), the sum if store_sum) over all rows (with `live`, as `linear_values`)."""
     k_ln.check_inputs(x, residual, weight, bias)
     if not use_triton(x):
         return k_ln.add_layer_norm_ref(x, residual, weight, bias, eps, store_sum=store_sum)
@@ -144,7 +151,7 @@ def add_layer_norm_values(
             x, residual, weight, bias, float(eps), store_sum, c.block_m, c.num_warps
         )
         return out, (total if store_sum else None)
-    return k_ln.add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config)
+    return k_ln.add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config, live=live)
 
 
 # -- RaggedTensor ops -----------------------------------------------------------------------------

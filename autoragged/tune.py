@@ -3,7 +3,8 @@
 For each module signature it draws batches from many length distributions (the CoRa Beta recipe,
 log-normal, bimodal short + long, uniform, all equal) at batch sizes from 1 to 256, measures the padded
 arm, the ragged arm (the default config and configs an optuna study proposes for the batch's max_len
-bucket) and, on a GPU, both arms replayed as CUDA graphs, exactly as the runtime runs them, and records
+bucket) and, on a GPU, both arms replayed as CUDA graphs (the ragged one with cuBLAS and with Triton
+linears), exactly as the runtime runs them, and records
 everything in the tuning database. Then it fits
 the cost model on every measurement of this device (traffic samples included), evaluates it on
 length families held out of the fit, stores it, and prints the metrics. The wrapped models of later
@@ -153,7 +154,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
     from ._measure import make_batch, time_interleaved
-    from ._planner import default_ragged_config
+    from ._planner import GRAPH_BACKENDS, default_ragged_config, graph_config
     from .workloads import sample
 
     rng = np.random.default_rng(item_seed)
@@ -165,7 +166,8 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
     if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
-        arms += [Arm("ragged_graph", default.config), PADDED_GRAPH]
+        arms += [Arm("ragged_graph", graph_config(head_dim, stats.max_len, b)) for b in GRAPH_BACKENDS]
+        arms.append(PADDED_GRAPH)
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime = model._autoragged
         runtime._execute = lambda module, arm, src, *rest: (src, None)  # the arms are not what this measures
         pads = {}
-        runtime._execute_unread = lambda module, x, kpm, B, L, arm: (x, pads[B], L, None)
+        runtime._execute_unread = lambda module, x, kpm, B, L, arm, tokens=0: (x, pads[B], L, None)
         judge = runtime._judge_shape
         rows = []
         rng = np.random.default_rng(0)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     runtime.mask_shapes.clear()
                     if mode.endswith("not read"):  # the shape is trusted padded: lengths stay on the device
                         runtime._judge_shape = judge
-                        runtime.mask_shapes[(batch, L)] = [10**9, PADDED, 0, {"padded": 1.0}]
+                        runtime.mask_shapes[(batch, L)] = [10**9, PADDED, 0, {"padded": 1.0}, 0]
                     else:  # every mask is read (the shape is never trusted)
                         runtime._judge_shape = lambda *a: None
                     with torch.no_grad():

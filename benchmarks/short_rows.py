@@ -10,11 +10,15 @@ On the short rows of the benchmark of record a batch is a few hundred microsecon
   varlen_gpu        its GPU time alone: many replays back to back, divided by their count
   ragged_graph      latency of autoragged's ragged graph arm (through the dispatcher's execute path)
   ragged_gpu        that graph's GPU time alone (replays back to back)
+  triton_gpu        GPU time of the ragged graph with Triton linears, which stop at the batch's rows
+  mask_gpu          GPU time of the ragged graph fed the mask (Triton linears; counts and packs on the device)
   padded_graph_gpu  GPU time of the padded graph arm
   lengths_call      latency of the wrapped model called with lengths= and forced to the ragged graph arm
   host_call_us      host microseconds of that call (the clock stops when the call returns, before a sync)
   host_replay_us    host microseconds of the replay step alone (output allocation, args copy, replay)
-  lengths_call / varlen_graph is the ratio the goal asks about (within 1.2x).
+  mask_call         latency of the wrapped model called with the mask alone, forced to the ragged graph
+                    fed the mask once the shape is trusted (every 16th call still reads the lengths)
+  lengths_call / varlen_graph and mask_call / varlen_graph are the ratios the goal asks about (within 1.2x).
 Prints a table and writes benchmarks/results/short_rows.json.
 """
 
@@ -35,7 +39,7 @@ import torch  # noqa: E402
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
-from autoragged._planner import Planner, default_ragged_config  # noqa: E402
+from autoragged._planner import Planner, default_ragged_config, graph_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.cora_table import VarlenEncoder, build_model, graphed, varlen_inputs  # noqa: E402
@@ -122,7 +126,21 @@ def bench(name: str, batch: int, args, models, device) -> dict:
         runner.run(PADDED_GRAPH, x, mask, lengths, stats)
         pgraph = next(g for k, g in runner.runtime.graphs.graphs.items() if k[0] == "padded")
         row["padded_graph_gpu"] = gpu_ms(pgraph.graph.replay)
+        runner.run(Arm("ragged_graph", cfg.replace(backend="triton")), x, mask, lengths, stats)
+        tgraph = next(g for k, g in runner.runtime.graphs.graphs.items() if k[0] == "ragged" and k[4] != cfg)
+        row["triton_gpu"] = gpu_ms(tgraph.graph.replay)
         runner.runtime.graphs.clear()
+        masked = models["masked"]
+        call = lambda: masked(x, src_key_padding_mask=mask)  # noqa: E731
+        for _ in range(4):  # the reads that earn the shape its trust (3), then the capture
+            call()
+        row["mask_call"] = t(call)
+        last = autoragged.recent_decisions(masked, 1)[0]
+        if "not read" not in last.reason:
+            raise RuntimeError(f"the mask call read its lengths: {last.arm}, {last.reason}")
+        mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[-1] == "mask")
+        row["mask_gpu"] = gpu_ms(mgraph.graph.replay)
+        masked._autoragged.graphs.clear()
         call = lambda: forced(x, lengths=lengths)  # noqa: E731
         row["lengths_call"] = t(call)
         row["host_call_us"] = host_us(call)
@@ -136,6 +154,7 @@ def bench(name: str, batch: int, args, models, device) -> dict:
         profile(name, batch, replay, graph.graph.replay)
         args.profile = False
     row["call_vs_varlen_graph"] = row["lengths_call"] / row["varlen_graph"]
+    row["mask_vs_varlen_graph"] = row["mask_call"] / row["varlen_graph"]
     row["gpu_ratio"] = row["ragged_gpu"] / row["varlen_gpu"]
     return row
 
@@ -158,22 +177,32 @@ def main(argv: list[str] | None = None) -> int:
     forced._autoragged.graph_min_seen = 1
     # the planner's whole path, with a model that always prefers its one candidate (the ragged graph)
     forced._autoragged.planners[device] = Planner(forced._autoragged.sig, _PreferLast(), lambda s: [forced_arm(s)])
-    models = {"varlen": VarlenEncoder(plain), "runner": ArmRunner(copy.deepcopy(plain)), "forced": forced}
+    # the same with the mask alone: the graph fed the mask (Triton linears) is the one arm it may run
+    masked = autoragged.wrap(copy.deepcopy(plain), db=False, policy="auto", sample_every=0)
+    masked._autoragged.graph_min_seen = 1
+    mask_arm = lambda stats: Arm("ragged_graph", graph_config(64, stats.max_len, "triton"))  # noqa: E731
+    masked._autoragged.planners[device] = Planner(masked._autoragged.sig, _PreferLast(), lambda s: [mask_arm(s)])
+    models = {"varlen": VarlenEncoder(plain), "runner": ArmRunner(copy.deepcopy(plain)), "forced": forced,
+              "masked": masked}  # fmt: skip
     rows = []
     for name in args.datasets:
         for batch in args.batches:
             rows.append(bench(name, batch, args, models, device))
             r = rows[-1]
             print(f"  {name:6s} B={batch:3d} varlen_graph={r['varlen_graph']:.3f} varlen_gpu={r['varlen_gpu']:.3f} "
-                  f"ragged_gpu={r['ragged_gpu']:.3f} lengths_call={r['lengths_call']:.3f} "
+                  f"ragged_gpu={r['ragged_gpu']:.3f} triton_gpu={r['triton_gpu']:.3f} mask_gpu={r['mask_gpu']:.3f} "
+                  f"lengths_call={r['lengths_call']:.3f} mask_call={r['mask_call']:.3f} "
                   f"host_call={r['host_call_us']:.0f}us", flush=True)  # fmt: skip
     cols = [("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "T", "d"),
             ("varlen_graph", "varlen graph", ".3f"), ("varlen_gpu", "varlen GPU", ".3f"),
             ("ragged_graph", "ragged graph", ".3f"), ("ragged_gpu", "ragged GPU", ".3f"),
+            ("triton_gpu", "Triton-linear graph GPU", ".3f"), ("mask_gpu", "mask graph GPU", ".3f"),
             ("padded_graph_gpu", "padded graph GPU", ".3f"), ("lengths_call", "lengths= call", ".3f"),
+            ("mask_call", "mask call", ".3f"),
             ("host_call_us", "host us/call", ".0f"), ("host_replay_us", "host us/replay step", ".0f"),
             ("gpu_ratio", "GPU ragged/varlen", ".2f"),
-            ("call_vs_varlen_graph", "call / varlen graph", ".2f")]  # fmt: skip
+            ("call_vs_varlen_graph", "call / varlen graph", ".2f"),
+            ("mask_vs_varlen_graph", "mask call / varlen graph", ".2f")]  # fmt: skip
     print("\n## short rows, ms (latency columns end in a sync; GPU columns are back-to-back replays)\n")
     print(table(rows, cols))
     path = write_json("short_rows.json", {"env": env, "args": vars(args), "rows": rows}, args.out)

@@ -15,8 +15,9 @@ Shape contracts
               grid_mapping   [2 batch + 1, + programs]  component of attention program p, -1 past the last
               block_offsets  [.., + batch + 1]          first attention program of each component
             for attention row blocks of `block_m` rows; `programs` must be >= the batch's row blocks.
-    From a mask (slot > 0): args as kernels/masked_pack.py has them; lengths[i] = real tokens of mask row
-    i (0 for i >= ARG_B), offsets[i] = i * slot.
+    From a mask (from_mask): args as kernels/masked_pack.py has them; lengths[i] = real tokens of mask
+    row i (0 for i >= ARG_B); align must be 1 (components back to back). offsets[batch] is then the rows
+    the batch fills, which the graph's row-wise kernels read as their live row count.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ def _layout_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr,
     FROM_MASK: tl.constexpr,  # lengths counted from the mask args point at (kernels/masked_pack.py)
-    SLOT: tl.constexpr,  # FROM_MASK: every component's extent (its slot of rows)
     BLOCK_L: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -73,10 +73,9 @@ def _layout_kernel(
             t = s + tl.arange(0, BLOCK_L)[None, :]
             pad = tl.load(rows + t * stride_ml, mask=rows_real[:, None] & (t < L), other=1)
             lens += tl.sum((pad == 0).to(tl.int32), 1)
-        ext = tl.zeros([BLOCK_B], dtype=tl.int32) + SLOT
     else:
         lens = tl.load(args_ptr + HEAD + b, mask=real, other=0).to(tl.int32)
-        ext = (lens + ALIGN - 1) // ALIGN * ALIGN
+    ext = (lens + ALIGN - 1) // ALIGN * ALIGN
     counts = (lens + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(counts, 0)  # the program after each component's last one
     total = tl.sum(counts, 0)
@@ -96,15 +95,22 @@ def _layout_kernel(
 
 
 def layout(
-    args: torch.Tensor, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, slot: int = 0
+    args: torch.Tensor,
+    meta: torch.Tensor,
+    batch: int,
+    programs: int,
+    block_m: int,
+    align: int,
+    from_mask: bool = False,
 ) -> None:
-    """Write the layout of the lengths in `args` into `meta` (see the module docstring). With `slot` > 0
-    the lengths are counted from the mask `args` points at instead (kernels/masked_pack.py's args), and
-    component b starts at b * slot."""
+    """Write the layout of the lengths in `args` into `meta` (see the module docstring). With `from_mask`
+    the lengths are counted from the mask `args` points at instead (kernels/masked_pack.py's args)."""
+    if from_mask and align != 1:
+        raise ValueError(f"a layout counted from a mask packs components back to back (align 1), got align {align}")
     if meta.numel() != meta_size(batch, programs) or meta.dtype != torch.int32:
         size = meta_size(batch, programs)
         raise ValueError(f"meta must be int32 of {size} elements, got {meta.dtype} of {meta.numel()}")
-    need = MASK_ARGS if slot > 0 else ARGS_HEAD + batch
+    need = MASK_ARGS if from_mask else ARGS_HEAD + batch
     if args.numel() < need or args.dtype != torch.int64:
         raise ValueError(f"args must be int64 of at least {need} elements")
     block_b = next_pow2(max(batch, 1))
@@ -112,7 +118,7 @@ def layout(
     _layout_kernel[(triton.cdiv(programs, block_p),)](
         args, meta, batch, programs,
         BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p,
-        FROM_MASK=slot > 0, SLOT=slot, BLOCK_L=max(16, 4096 // block_b), num_warps=4,
+        FROM_MASK=from_mask, BLOCK_L=max(16, 4096 // block_b), num_warps=4,
     )  # fmt: skip
 
 

@@ -8,6 +8,8 @@ Shape contracts
     x, residual:   (T, N), stride 1 on N (residual may be None)
     weight, bias:  (N,) or None
     out:           (T, N); sum_out: (T, N) when store_sum
+    live:          optional (1,) int32/int64 on the device: only rows < live[0] are needed; a fixed grid walks
+                   their row blocks and leaves the rest unspecified (as kernels/ragged_linear.py)
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import torch.nn.functional as F
 
 from ._config import KernelConfig, _identity, next_pow2
 from ._triton import tl, triton
+from .ragged_linear import check_live, persistent_programs
 
 __all__ = ["add_layer_norm", "add_layer_norm_ref", "CONFIGS", "default_config", "prune"]
 
 
 @triton.jit
-def _add_layer_norm_kernel(
+def _add_layer_norm_rows(
     X, R, Wt, Bs, Y, S, M, N, eps,
     stride_x, stride_r, stride_y, stride_s,
     HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, block,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Row block `block`: BLOCK_M rows."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     rows64 = rows.to(tl.int64)[:, None]
@@ -46,6 +50,23 @@ def _add_layer_norm_kernel(
     if HAS_B:
         y = y + tl.load(Bs + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    X, R, Wt, Bs, Y, S, Live, M, N, eps,
+    stride_x, stride_r, stride_y, stride_s,
+    HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    if HAS_LIVE:  # only rows < *Live are needed: a fixed grid walks their blocks (kernels/ragged_linear.py)
+        blocks = tl.cdiv(tl.minimum(tl.load(Live), M), BLOCK_M)
+        for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            _add_layer_norm_rows(X, R, Wt, Bs, Y, S, M, N, eps, stride_x, stride_r, stride_y, stride_s,
+                                 HAS_RES, STORE_SUM, HAS_W, HAS_B, BLOCK_M, BLOCK_N, block)  # fmt: skip
+    else:
+        _add_layer_norm_rows(X, R, Wt, Bs, Y, S, M, N, eps, stride_x, stride_r, stride_y, stride_s,
+                             HAS_RES, STORE_SUM, HAS_W, HAS_B, BLOCK_M, BLOCK_N, tl.program_id(0))  # fmt: skip
 
 
 # Keyed by (N, dtype) only: the op is row-local, so lengths do not matter. block_m = rows per
@@ -85,9 +106,12 @@ def add_layer_norm(
     store_sum: bool = False,
     config: KernelConfig | None = None,
     wrap=None,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(LN(x + residual), x + residual if store_sum else None), both (T, N) in x's dtype."""
+    """(LN(x + residual), x + residual if store_sum else None), both (T, N) in x's dtype; with `live`,
+    only rows < live[0] (the module docstring)."""
     check_inputs(x, residual, weight, bias)
+    check_live(live, x)
     x = x if x.stride(1) == 1 else x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
@@ -100,13 +124,17 @@ def add_layer_norm(
     if next_pow2(N) > 65536:
         raise ValueError(f"feature dim {N} is too large for one tile; the limit is 65536")
     dummy = out
-    (wrap or _identity)(_add_layer_norm_kernel)[(triton.cdiv(M, config.block_m),)](
+    grid = triton.cdiv(M, config.block_m)
+    if live is not None:  # a few waves of programs per SM walk the live blocks
+        grid = min(grid, 4 * persistent_programs(x.device))
+    (wrap or _identity)(_add_layer_norm_kernel)[(grid,)](
         x, residual if residual is not None else dummy, weight if weight is not None else dummy,
-        bias if bias is not None else dummy, out, total if total is not None else dummy, M, N, float(eps),
+        bias if bias is not None else dummy, out, total if total is not None else dummy,
+        live if live is not None else dummy, M, N, float(eps),
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         total.stride(0) if total is not None else 0,
         HAS_RES=residual is not None, STORE_SUM=store_sum, HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_M=config.block_m, BLOCK_N=next_pow2(N), num_warps=config.num_warps,
+        HAS_LIVE=live is not None, BLOCK_M=config.block_m, BLOCK_N=next_pow2(N), num_warps=config.num_warps,
     )  # fmt: skip
     return out, total
 

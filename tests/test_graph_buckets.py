@@ -131,10 +131,13 @@ def _awkward_mask(B, L, device, seed=0):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("B,L,slot,batch_first", [(5, 37, 48, True), (4, 70, 80, False), (6, 16, 16, True)])
-def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, slot, batch_first):
-    """The ragged graph fed a mask: its layout counts each row's real tokens, pack fills each row's slot
-    with them in order, unpack puts them back and zeros the pads, whatever the pattern."""
+@pytest.mark.parametrize(
+    "B,L,batch,width,batch_first", [(5, 37, 8, 48, True), (4, 70, 4, 80, False), (6, 16, 6, 16, True)]
+)
+def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, width, batch_first):
+    """The ragged graph fed a mask: its layout counts each row's real tokens and lays the rows back to
+    back, pack fills them in order, unpack puts them back and zeros the pads, whatever the pattern; the
+    grid's spare rows (batch > B) are empty, and nothing past the batch's tokens is written."""
     from kernels import masked_pack
 
     D = 24
@@ -150,18 +153,25 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, slot, b
         dtype=torch.int64, device=device,
     )  # fmt: skip
     assert args.numel() == masked_pack.MASK_ARGS
-    values = torch.full((B * slot, D), float("nan"), dtype=torch.float16, device=device)
-    masked_pack.pack_masked(args, values, B, slot)
-    want = masked_pack.pack_masked_ref(x, mask, torch.full_like(values, float("nan")), slot)
-    assert torch.equal(values.nan_to_num(5.0), want.nan_to_num(5.0))  # gap rows untouched, real rows equal
-    masked_pack.unpack_masked(args, values, B, slot)
-    assert torch.equal(out, masked_pack.unpack_masked_ref(values, mask, torch.empty_like(x), slot))
-    assert (whole[:, L:] == 7).all()
-    programs = B * slot // 16 + B
-    meta = torch.full((meta_size(B, programs),), 12345, dtype=torch.int32, device=device)
-    graph_layout.layout(args, meta, B, programs, 16, 1, slot)
+    programs = batch * width // 16 + batch
+    meta = torch.full((meta_size(batch, programs),), 12345, dtype=torch.int32, device=device)
+    graph_layout.layout(args, meta, batch, programs, 16, 1, from_mask=True)
     lens = (~mask).sum(1).tolist()
-    want_meta, _, _ = _host_meta(lens, 1, 16, B, programs)
-    got = meta.cpu()
-    assert got[: B + 1].tolist() == [b * slot for b in range(B + 1)]  # every row owns its slot
-    assert got[B + 1 :].tolist() == want_meta[B + 1 :].tolist()  # lengths, grid mapping, block offsets
+    want_meta, total, _ = _host_meta(lens, 1, 16, batch, programs)
+    assert meta.cpu().tolist() == want_meta.tolist()  # offsets (back to back), lengths, grid, block offsets
+    offsets = meta[: batch + 1]
+    values = torch.full((batch * width, D), float("nan"), dtype=torch.float16, device=device)
+    masked_pack.pack_masked(args, values, offsets, batch, width)
+    want = masked_pack.pack_masked_ref(x, mask, torch.full_like(values, float("nan")), want_meta[:B])
+    assert torch.equal(values[:total], want[:total])
+    assert values[total:].isnan().all()  # nothing past the batch's tokens
+    masked_pack.unpack_masked(args, values, offsets, batch, width)
+    assert torch.equal(out, masked_pack.unpack_masked_ref(values, mask, torch.empty_like(x), want_meta[:B]))
+    assert (whole[:, L:] == 7).all()
+
+
+def test_a_layout_from_a_mask_is_packed():
+    args = torch.zeros(11, dtype=torch.int64)
+    meta = torch.zeros(meta_size(2, 4), dtype=torch.int32)
+    with pytest.raises(ValueError, match="back to back"):
+        graph_layout.layout(args, meta, 2, 4, 16, 8, from_mask=True)

@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 import autoragged  # noqa: E402
 from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
-from autoragged._planner import default_ragged_config  # noqa: E402
+from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
 from tuning_db import BatchStats  # noqa: E402
 
 D, H = 256, 4
@@ -61,6 +61,13 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
     for i, lengths in enumerate(BATCHES * 2):  # the second pass replays graphs holding the first pass's data
         eager_r, _ = run(enc, Arm("ragged", cfg), lengths, batch_first=batch_first, seed=i)
         graph_r, note_r = run(enc, Arm("ragged_graph", cfg), lengths, batch_first=batch_first, seed=i)
+        # Triton linears and norms that stop at the rows the batch fills (the bucket's spare rows skipped)
+        triton_arm = Arm("ragged_graph", cfg.replace(backend="triton"))
+        graph_t, note_t = run(enc, triton_arm, lengths, batch_first=batch_first, seed=i)
+        assert note_t is None, note_t
+        torch.testing.assert_close(
+            real(graph_t, lengths, batch_first), real(eager_r, lengths, batch_first), rtol=2e-3, atol=2e-3
+        )
         eager_p, _ = run(enc, PADDED, lengths, batch_first=batch_first, seed=i)
         graph_p, note_p = run(enc, PADDED_GRAPH, lengths, batch_first=batch_first, seed=i)
         assert note_r is None and note_p is None, (note_r, note_p)
@@ -74,7 +81,7 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
         torch.testing.assert_close(
             real(graph_r, lengths, batch_first), real(eager_p, lengths, batch_first), rtol=2e-2, atol=2e-2
         )
-        for y in (graph_r, graph_p):
+        for y in (graph_r, graph_t, graph_p):
             yb = y if batch_first else y.transpose(0, 1)
             assert all((yb[j, n:] == 0).all() for j, n in enumerate(lengths)), "pads must be zero"
     assert len(enc._autoragged.graphs.graphs) >= 4
@@ -245,6 +252,7 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
             PADDED_GRAPH,
             0,
             {"padded_graph": 1.0},
+            0,
         ]  # as if judged _TRUST times already
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
@@ -262,7 +270,7 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
     B, L = 3, 40
-    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0, {"padded_graph": 1.0}]
+    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0, {"padded_graph": 1.0}, 0]
     x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
     want = []
     with torch.inference_mode():
@@ -287,7 +295,7 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
     rt_ = enc._autoragged
     rt_.graph_min_seen = 1
     B, L = 5, 70
-    arm = Arm("ragged_graph", default_ragged_config(D // H, L))
+    arm = Arm("ragged_graph", graph_config(D // H, L, "triton"))
     g = torch.Generator().manual_seed(0)
     for i in range(4):
         mask = torch.rand(B, L, generator=g) < 0.3 + 0.1 * i
@@ -297,7 +305,7 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
         if not batch_first:
             x = x.transpose(0, 1).contiguous()
-        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, arm, 0, {arm.label: 1.0}]  # as if judged already
+        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, arm, 0, {arm.label: 1.0}, 200]  # as if judged already
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want = rt_.base.forward(enc, x, None, mask, None)
@@ -309,3 +317,6 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         keep[0] = False  # PyTorch's output on an all-pad row is undefined (NaN); ours is zeros
         torch.testing.assert_close(yb[keep].float(), wb[keep].float(), rtol=2e-2, atol=2e-2)
         assert (yb[mask] == 0).all()
+        (graph,) = [g_ for k, g_ in rt_.graphs.graphs.items() if k[-1] == "mask"]
+        assert graph.layout.live.item() == int((~mask).sum())  # the rows the linears and norms stopped at
+        assert graph.layout.tile_rows == 200  # the linears' tiles were picked for the judged batch's tokens

@@ -133,6 +133,60 @@ def test_linear_strided_input_and_cublas_backend(device):
         torch.testing.assert_close(ops.linear_values(x, w, None, None, config).double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_linear_default_tiles_follow_the_rows():
+    """Few rows and a deep reduction get small tiles; many rows get large ones; no rows: the fixed default."""
+    small, mid, large = (k_lin.default_config(512, 2048, r) for r in (400, 2000, 9000))
+    assert (small.block_m, small.block_n, small.block_k) == (64, 64, 128)
+    assert k_lin.default_config(1536, 512, 400) == mid == k_lin.default_config(512, 2048, 4096)
+    assert large.block_m * large.block_n > mid.block_m * mid.block_n
+    assert k_lin.default_config(512, 512) == k_lin.DEFAULT_CONFIG
+    assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("rows", [400, 2000, 9000])
+def test_linear_default_tiles_are_right_on_awkward_shapes(device, rows):
+    """Each default tiling (picked for `rows`) on a shape that fills none of its tiles, with and without a
+    live count: within PyTorch's own error of the float64 reference."""
+    M, N, K = 70, 40, 136  # K > N: the deep-reduction tiles on few rows
+    config = k_lin.default_config(N, K, rows)
+    x = torch.randn(M, K, dtype=torch.float64).to(torch.float16).to(device)
+    w = (torch.randn(N, K, dtype=torch.float64) / K**0.5).to(torch.float16).to(device)
+    b = torch.randn(N, dtype=torch.float64).to(torch.float16).to(device)
+    ref64 = k_lin.ragged_linear_ref(x.double(), w.double(), b.double(), "relu")
+    same = k_lin.ragged_linear_ref(x, w, b, "relu")
+    y = k_lin.ragged_linear(x, w, b, "relu", config)
+    assert_within_torch_error(y, same, ref64, f"linear default tiles {config.short()}")
+    live = torch.tensor([53], dtype=torch.int32, device=device)
+    y_live = k_lin.ragged_linear(x, w, b, "relu", config, live=live)
+    assert torch.equal(y_live[:53], y[:53])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("live", [0, 1, 31, 64, 97, 130, 500])
+def test_linear_and_norm_stop_at_the_live_rows(device, live):
+    """With `live` (a device count, as a CUDA graph's layout holds it) a fixed grid walks the tiles of the
+    first live rows only (in the interpreter 3 programs, so each loops); those rows equal the reference.
+    A count past the rows is clamped to them."""
+    M, N, K = 130, 48, 40
+    x = torch.randn(M, K, dtype=torch.float64).to(torch.float16).to(device)
+    w = (torch.randn(N, K, dtype=torch.float64) / K**0.5).to(torch.float16).to(device)
+    b = torch.randn(N, dtype=torch.float64).to(torch.float16).to(device)
+    count = torch.tensor([live, 999], dtype=torch.int32, device=device)  # only element 0 is read
+    n = min(live, M)
+    for config in LINEAR_CONFIGS:
+        y = k_lin.ragged_linear(x, w, b, "relu", config, live=count)
+        want = k_lin.ragged_linear(x, w, b, "relu", config)  # the kernel computes rows the same way either way
+        assert torch.equal(y[:n], want[:n]), config.short()
+    r = torch.randn(M, N, dtype=torch.float64).to(torch.float16).to(device)
+    for config in (k_ln.default_config(N), KernelConfig(block_m=4, num_warps=2, num_stages=1)):
+        out, total = k_ln.add_layer_norm(y, r, None, b, 1e-5, store_sum=True, config=config, live=count)
+        want_out, want_total = k_ln.add_layer_norm(y, r, None, b, 1e-5, store_sum=True, config=config)
+        assert torch.equal(out[:n], want_out[:n]) and torch.equal(total[:n], want_total[:n])
+    with pytest.raises(ValueError, match="live must be an int32/int64 tensor"):
+        k_lin.ragged_linear(x, w, b, None, LINEAR_CONFIGS[0], live=count.float())
+
+
 # -- bmm ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

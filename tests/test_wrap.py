@@ -399,7 +399,7 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
-    streak, arm, _, predicted = rt.mask_shapes[(8, 40)]
+    streak, arm, _, predicted, _ = rt.mask_shapes[(8, 40)]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
     assert rt.mask_shapes[(8, 40)][0] == 0
@@ -408,21 +408,29 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
 
 
 def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
-    """Where graphs run, the ragged graph fed the mask (no lengths needed, predicted as if every row were
-    full) competes with the padded arms for the unread path."""
+    """Where graphs run, the ragged graph with Triton linears, fed the mask (no lengths needed; it does
+    the same work either way, so the batch's own prediction for it holds), competes with the padded arms
+    for the unread path; the read's cost counts against the arms that need lengths."""
     from autoragged._costmodel import Arm
-    from autoragged._planner import default_ragged_config
+    from autoragged._planner import graph_config
 
     enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
     rt = enc._autoragged
     rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
-    arm = Arm("ragged_graph", default_ragged_config(16, 40))
-    predicted = {"padded": 1.0, "padded_graph": 0.9, arm.label: 0.4}
-    rt._judge_shape(8, 40, predicted, (arm, 0.45))  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded = rt.mask_shapes[(8, 40)]
-    assert streak == 1 and chosen == arm and recorded[arm.label] == 0.45 and predicted[arm.label] == 0.4
-    rt._judge_shape(8, 40, predicted, (arm, 0.6))  # the read is cheaper than the full-rows graph
+    mask_arm = Arm("ragged_graph", graph_config(16, 40, "triton"))
+    cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
+    predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
+    rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
+    streak, chosen, _, recorded, tokens = rt.mask_shapes[(8, 40)]
+    assert streak == 1 and chosen == mask_arm and recorded == predicted
+    assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
+    rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
     assert rt.mask_shapes[(8, 40)][0] == 0
+    rt._judge_shape(8, 40, {**predicted, "padded_graph": 0.3}, mask_arm)  # the padded graph wins outright
+    assert rt.mask_shapes[(8, 40)][:2] == [1, autoragged._costmodel.PADDED_GRAPH]
+    del predicted[mask_arm.label]  # no prediction for it (graphs off): the padded arms alone
+    rt._judge_shape(9, 40, predicted, mask_arm)
+    assert rt.mask_shapes[(9, 40)][0] == 0
 
 
 def test_causal_mask_batches_always_read_their_lengths():
