@@ -1,0 +1,130 @@
+"""Tile sweep of our Triton linear at the row counts a ragged CUDA graph sees, against cuBLAS.
+
+A ragged graph with Triton linears (autoragged/_graphs.py) runs `ragged_linear(..., live=...)`: a fixed
+grid walks the tiles of the rows the batch fills. This measures it that way: for each (shape, rows,
+config), 10 back-to-back calls captured in one CUDA graph, replayed with CUDA events (median of the
+replays / 10), the weight buffer sized for twice the rows (a graph's capacity, as with a mask), and
+`live` holding the real row count. cuBLAS is timed the same way on exactly the real rows (the best it
+could do: the cuBLAS graph arm computes its whole bucket).
+
+    python benchmarks/linear_tiles.py                 # CoRa and BERT-base shapes, 400..16384 rows
+    python benchmarks/linear_tiles.py --rows 512 2048 --shapes qkv ff2
+
+Prints the best config per (shape, rows) and writes benchmarks/results/linear_tiles.json. The table
+`kernels/ragged_linear.py::default_config` picks from comes from this benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from kernels import ragged_linear as k_lin  # noqa: E402
+from kernels._config import KernelConfig  # noqa: E402
+
+# (name, N, K, activation): the CoRa encoder's four linears (d 512, ff 2048) and BERT-base's (768, 3072)
+SHAPES = {
+    "qkv": (1536, 512, None), "out": (512, 512, None), "ff1": (2048, 512, "relu"), "ff2": (512, 2048, None),
+    "bert_qkv": (2304, 768, None), "bert_ff1": (3072, 768, "relu"), "bert_ff2": (768, 3072, None),
+}  # fmt: skip
+ROWS = [400, 900, 1600, 2900, 5700, 9000, 16384]
+TILES = [  # (block_m, block_n, block_k, warps, stages)
+    (16, 64, 128, 2, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 64, 64, 2, 4), (32, 128, 64, 4, 4),
+    (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
+    (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4), (128, 256, 64, 8, 3),
+]  # fmt: skip
+CALLS = 10
+
+
+def graph_ms(fn, replays: int = 15) -> float:
+    """Median ms of one `fn` call: CALLS calls captured in one CUDA graph, replayed `replays` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(shape: str, rows: int) -> dict:
+    n, k, act = SHAPES[shape]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(rows)
+    x = torch.randn(2 * rows, k, device=dev, dtype=torch.float16, generator=g)
+    w = torch.randn(n, k, device=dev, dtype=torch.float16, generator=g) / k**0.5
+    b = torch.randn(n, device=dev, dtype=torch.float16, generator=g)
+    live = torch.tensor([rows], dtype=torch.int32, device=dev)
+    real = x[:rows]
+    want = F.linear(real.float(), w.float(), b.float())
+    want = want.relu() if act == "relu" else want
+    row = {"shape": shape, "n": n, "k": k, "rows": rows}
+    row["cublas_ms"] = graph_ms(lambda: k_lin.cublas_linear(real, w, b, act))
+    configs = {f"m{bm}n{bn}k{bk}w{wp}s{st}": KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
+                                                           num_stages=st) for bm, bn, bk, wp, st in TILES}  # fmt: skip
+    configs["default"] = k_lin.default_config(n, k, rows)
+    ours = {}
+    for name, c in configs.items():
+        y = k_lin.ragged_linear(x, w, b, act, c, live=live)
+        err = ((y[:rows].float() - want).norm() / want.norm()).item()
+        if not err < 1e-2:
+            raise RuntimeError(f"{shape} rows={rows} {name}: relative error {err:.2e}")
+        ours[name] = graph_ms(lambda c=c: k_lin.ragged_linear(x, w, b, act, c, live=live))
+    best = min((v, key) for key, v in ours.items() if key != "default")
+    row.update(ours=ours, best=best[1], best_ms=best[0], default_ms=ours["default"],
+               default_config=configs["default"].short())  # fmt: skip
+    row["best_vs_cublas"] = row["cublas_ms"] / best[0]
+    row["default_vs_cublas"] = row["cublas_ms"] / ours["default"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    p.add_argument("--out", help="JSON path (default benchmarks/results/linear_tiles.json)")
+    args = p.parse_args(argv)
+    require_cuda("linear_tiles")
+    env = environment()
+    header("Triton linear tiles at graph row counts (fp16, live rows, in a CUDA graph)", env)
+    rows = []
+    for shape in args.shapes:
+        for r in args.rows:
+            rows.append(bench(shape, r))
+            x = rows[-1]
+            print(f"  {shape:8s} rows={r:6d} cublas={x['cublas_ms'] * 1e3:6.1f}us best={x['best_ms'] * 1e3:6.1f}us "
+                  f"({x['best']}) default={x['default_ms'] * 1e3:6.1f}us", flush=True)  # fmt: skip
+    print("\n## Triton linear in a CUDA graph, us per call (cuBLAS / ours: > 1 means ours is faster)\n")
+    print(table([{**r, "cublas_us": r["cublas_ms"] * 1e3, "best_us": r["best_ms"] * 1e3,
+                  "default_us": r["default_ms"] * 1e3} for r in rows], [
+        ("shape", "shape", ""), ("rows", "rows", "d"), ("cublas_us", "cuBLAS", ".1f"), ("best_us", "best", ".1f"),
+        ("best", "best config", ""), ("default_us", "default", ".1f"), ("default_config", "default config", ""),
+        ("best_vs_cublas", "cuBLAS/best", ".2f"), ("default_vs_cublas", "cuBLAS/default", ".2f"),
+    ]))  # fmt: skip
+    path = write_json("linear_tiles.json", {"env": env, "args": vars(args), "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
