@@ -134,12 +134,11 @@ def test_linear_strided_input_and_cublas_backend(device):
 
 
 def test_linear_default_tiles_follow_the_rows():
-    """Few rows and a deep reduction get small tiles; many rows get large ones; no rows: the fixed default."""
+    """Few rows and a deep reduction get small tiles; many rows get large ones."""
     small, mid, large = (k_lin.default_config(512, 2048, r) for r in (400, 2000, 9000))
     assert (small.block_m, small.block_n, small.block_k) == (64, 64, 128)
     assert k_lin.default_config(1536, 512, 400) == mid == k_lin.default_config(512, 2048, 4096)
     assert large.block_m * large.block_n > mid.block_m * mid.block_n
-    assert k_lin.default_config(512, 512) == k_lin.DEFAULT_CONFIG
     assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
 
 
