@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from autoragged._model import TIE, _compile, _fit_trees, _rows, arm_of, evaluate_choices  # noqa: E402
+from autoragged._model import TIE, _pick_reference, _rows, arm_of, evaluate_choices, held_out_predictions  # noqa: E402
 from benchmarks._common import table, write_json  # noqa: E402
 from tuning_db import TuningDB  # noqa: E402
 
@@ -38,18 +38,9 @@ def family_of(label: str) -> str:
     return kind
 
 
-def held_out_predictions(rows, device) -> np.ndarray:
-    predicted = np.full(len(rows.y), np.nan)
-    for fam in sorted({f for f, g in zip(rows.family, rows.group) if g}):
-        test = np.array([f == fam for f in rows.family])
-        fitted = _compile(_fit_trees(rows.X[~test], rows.y[~test]), device, {})
-        predicted[test] = rows.prior[test] * np.exp(fitted.residual(rows.X[test]))
-    return predicted
-
-
 def analyse(measurements, device, oracle: dict[str, float]) -> dict:
     rows = _rows(measurements, device)
-    predicted = held_out_predictions(rows, device)
+    predicted, _ = held_out_predictions(rows, device, _pick_reference(rows))
     ok = ~np.isnan(predicted)
     metrics = evaluate_choices(
         predicted[ok], rows.ms[ok], [g for g, e in zip(rows.group, ok) if e], rows.p10[ok], rows.p90[ok]

@@ -9,11 +9,12 @@ import torch
 
 import autoragged
 from autoragged import _model, tune
-from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, Arm
+from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm
 from autoragged._device import device_key
 from autoragged._dispatch import signature_of
 from autoragged._planner import default_ragged_config
-from tuning_db import BatchStats, Measurement, TuningDB
+from kernels._config import KernelConfig
+from tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
 
 
 def test_compiled_trees_reproduce_sklearn_exactly():
@@ -45,6 +46,66 @@ def test_malformed_payloads_are_refused(mutate, words):
     mutate(payload)
     with pytest.raises(ValueError, match=words):
         _model.CompiledModel.from_payload(payload)
+
+
+def _jittered_measurements(n_batches: int, seed: int = 0) -> list[Measurement]:
+    """Batches where the padded arm takes 4% longer than the analytic prior says relative to the ragged one,
+    and every batch's timings share a random factor of 0.7-1.4 (host jitter, clocks): only ratios on the
+    same batch tell the arms apart."""
+    key = device_key("cpu").key
+    sig = tune.SIGNATURES["cpu-small"]
+    sig_key = f"encoder:{sig.layers}x{sig.d_model}/{sig.heads}h/ff{sig.ff}:relu:post:float32:nested"
+    ragged = default_ragged_config(sig.d_model // sig.heads, 64).to_dict()
+    prior = AnalyticPrior(device_key("cpu"))
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_batches):
+        lengths = tuple(int(v) for v in rng.integers(8, 64, size=int(rng.integers(2, 16))))
+        stats = BatchStats.from_lengths(lengths)
+        sig_ = ModuleSignature.from_key(sig_key)
+        p_pad, p_rag = prior.predict_ms(sig_, stats, [PADDED, Arm("ragged", KernelConfig.from_dict(ragged))])
+        jitter = rng.uniform(0.7, 1.4)
+        family = ("cora_beta", "lognormal", "uniform")[i % 3]
+        for arm, config, ms in (("padded", None, p_pad * 1.04 * jitter), ("ragged", ragged, p_rag * jitter)):
+            out.append(Measurement(key, sig_key, arm, config, stats, ms, ms, ms, 5, 1.0, source="tune",
+                                   distribution=family, extra={"batch_id": f"b{i}"}))  # fmt: skip
+    return out
+
+
+def test_relative_forest_ranks_arms_by_their_ratio_on_the_same_batch():
+    device = device_key("cpu")
+    model = _model.fit_cost_model(_jittered_measurements(120), device)
+    assert model.reference == "padded" and model.relative is not None
+    # held out, the shared jitter cancels out of the ratios: the faster arm is chosen on every batch
+    assert model.metrics["accuracy"] == 1.0 and model.metrics["mean_regret"] == 0.0
+    assert model.metrics["mape"] > 0.05  # while the latencies themselves carry the jitter
+    fresh = _jittered_measurements(60, seed=1)
+    rows = _model._rows(fresh, device)
+    on_fresh = _model.evaluate_choices(
+        _model._predict_rows(model, rows, np.ones(len(rows.y), bool)), rows.ms, rows.group
+    )
+    assert on_fresh["accuracy"] == 1.0
+    # predict_ms (the runtime's path) and the fit's evaluation path agree, before and after a JSON round trip
+    again = _model.CompiledModel.from_payload(json.loads(json.dumps(model.to_payload())))
+    for m in fresh[:10]:
+        sig, arm = ModuleSignature.from_key(m.signature), _model.arm_of(m)
+        expect = _model._predict_rows(model, _model._rows([m], device), np.ones(1, dtype=bool))
+        np.testing.assert_allclose(model.predict_ms(sig, m.stats, [arm]), expect, rtol=1e-12)
+        np.testing.assert_allclose(again.predict_ms(sig, m.stats, [arm]), expect, rtol=1e-12)
+
+
+def test_relative_payload_is_validated():
+    payload = _model.fit_cost_model(_jittered_measurements(30), device_key("cpu")).to_payload()
+    bad = json.loads(json.dumps(payload))
+    bad["relative"]["reference"] = "eval"
+    with pytest.raises(ValueError, match="unknown reference arm"):
+        _model.CompiledModel.from_payload(bad)
+    bad = json.loads(json.dumps(payload))
+    bad["relative"]["trees"]["left"][0] = 10**6
+    with pytest.raises(ValueError, match="out of range"):
+        _model.CompiledModel.from_payload(bad)
+    older = {k: v for k, v in payload.items() if k != "relative"}  # a model stored before relative forests
+    assert _model.CompiledModel.from_payload(older).relative is None
 
 
 def test_evaluate_choices_on_a_hand_made_case():
