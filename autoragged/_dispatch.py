@@ -53,9 +53,19 @@ _SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
 # needs no lengths (padded, padded graph, the ragged graph fed the mask) won a (B, L) shape _TRUST times in
 # a row, counting that cost against the others, batches of the shape skip the read (every _RECHECK-th
 # still reads, to notice a change) and run that arm on the mask itself: nothing synchronises.
+# The verdicts come from predictions; on the GPU they are checked by timing: the judged batches that read
+# lengths and the first _PROBES of a trusted shape run fed the mask are timed with CUDA events (harvested
+# later, never blocking), and a shape whose unread arm measured slower than its read path plus the read is
+# not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23).
 _TRUST = 3
 _RECHECK = 16
 _MAX_SHAPES = 4096
+_PROBES = 3
+
+
+def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
+    """A mask_shapes entry (see _Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
+    return [streak, arm, 0, predicted or {}, tokens, {"read": [], "unread": [], "left": _PROBES, "lost": False}]
 
 
 # -- the dispatching classes ----------------------------------------------------------------------
@@ -246,7 +256,9 @@ class _Runtime:
         self.pending: deque = deque()
         self.count = 0
         # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions,
-        #           the last judged batch's tokens (the mask graph's linears pick their tiles for them)]
+        #           the last judged batch's tokens (the mask graph's linears pick their tiles for them),
+        #           the probe: {"read": ms of timed read-path runs, "unread": ms of timed unread runs,
+        #           "left": unread runs still to time, "lost": the unread arm measured slower}]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
@@ -284,7 +296,7 @@ class _Runtime:
                 if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
                     shape[2] += 1
                     if shape[2] % _RECHECK:
-                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3], shape[4])
+                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3], shape[4], shape[5])
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
             if mask_only:
@@ -299,10 +311,14 @@ class _Runtime:
         plan = self._plan(x.device, stats, reason)
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
+        probe = None
         if mask_only and free:
-            self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(x.device, stats), stats.total)
+            shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(x.device, stats), stats.total)
+            if shape[0] > 0 and not shape[5]["lost"]:  # a verdict for the unread arm: time the read path too
+                probe = shape[5]["read"]
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
+        sampled = sampled or (probe is not None and x.is_cuda and self.sample_every > 0)
         if sampled and self.explore and free:
             alt = self.planners[x.device].explore(stats, arm)
             if alt is not None:
@@ -325,7 +341,7 @@ class _Runtime:
         if sampled:
             end.record()
             self.ring.append(record)
-            self.pending.append((start, end, record, x.device, free))
+            self.pending.append((start, end, record, x.device, free, probe))
         else:
             self._record(record)
         if self.pending:
@@ -361,21 +377,37 @@ class _Runtime:
             unread[mask_arm.label] = predicted[mask_arm.label]
         if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
             self.mask_shapes.clear()
-        entry = self.mask_shapes.setdefault((B, L), [0, PADDED, 0, {}, 0])
+        entry = self.mask_shapes.get((B, L)) or self.mask_shapes.setdefault((B, L), _shape_entry())
         best = min(unread, key=unread.get) if unread else None
-        if best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms):
+        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms)
+        if wins and not entry[5]["lost"]:
             entry[0] += 1
-            entry[1] = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            if arm != entry[1]:  # another arm: its timings start afresh
+                entry[5].update(read=[], unread=[], left=_PROBES)
+            entry[1] = arm
             entry[3], entry[4] = predicted, tokens
         else:
             entry[0] = 0
+        return entry
 
-    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float], tokens: int):
+    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float], tokens: int,
+                    probe: dict):  # fmt: skip
         """A mask-only batch of a shape where an arm that needs no lengths wins: run it on the mask, lengths
-        never read. The record carries the predictions of the shape's last judged batch (of `tokens`)."""
+        never read. The record carries the predictions of the shape's last judged batch (of `tokens`).
+        The shape's first `_PROBES` runs that replay (not capture) are timed for `_probe_result`."""
         self.count += 1
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
+        timed = probe["left"] > 0 and x.is_cuda and self.sample_every > 0
+        if timed:
+            captures = self.graphs.captures if self.graphs is not None else 0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm, tokens)
+        if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
+            end.record()
+            probe["left"] -= 1
+            self.pending.append((start, end, None, x.device, False, (probe, B, L)))
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
         record = _Record(None, arm, predicted, why, device_key(x.device), self.sig_key)
@@ -414,6 +446,23 @@ class _Runtime:
         out = self.base.forward(module, x, None, kpm, None)
         out = _zero_pads(out, kpm, self.batch_first)
         return out, kpm.sum(1, dtype=torch.int32), L, note
+
+    def _probe_result(self, probe: dict, B: int, L: int, ms: float) -> None:
+        """One timed unread run of (B, L): once two are in, a shape whose unread arm took longer than its
+        timed read path plus the read's cost loses its trust (the predictions said otherwise)."""
+        probe["unread"].append(ms)
+        if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
+            return
+        unread, read = min(probe["unread"]), min(probe["read"])
+        if unread > read + self.sync_ms:
+            probe["lost"] = True
+            entry = self.mask_shapes.get((B, L))
+            if entry is not None and entry[5] is probe:
+                entry[0] = 0
+            log.info(
+                "autoragged %s: B=%d L=%d fed the mask took %.3f ms, reading lengths %.3f + %.3f ms: reading them",
+                self.sig_key, B, L, unread, read, self.sync_ms,
+            )  # fmt: skip
 
     def _log_summary(self) -> None:
         """One INFO line about the last _SUMMARY_EVERY batches of this module."""
@@ -592,13 +641,18 @@ class _Runtime:
     def _harvest(self, wait: bool = False) -> None:
         """Read the timings of sampled batches whose end event has completed; waits only if `wait`."""
         while self.pending:
-            start, end, record, device, free = self.pending[0]
+            start, end, record, device, free, probe = self.pending[0]
             if wait:
                 end.synchronize()
             elif not end.query():
                 return
             self.pending.popleft()
             ms = start.elapsed_time(end)
+            if record is None:  # a timed unread run: its record went out when it ran
+                self._probe_result(*probe, ms)
+                continue
+            if probe is not None:
+                probe.append(ms)
             record.measured_ms = ms
             if free and device in self.planners:
                 self.planners[device].observe(record.stats, record.arm, ms)
@@ -659,7 +713,9 @@ def wrap(
                False records nothing and uses the analytic prior.
     policy:    "auto" (cost model), "padded" or "ragged" (forced, for benchmarks and debugging; batches
                the ragged arm cannot run still go padded, with the reason recorded).
-    sample_every: time every n-th batch with CUDA events (0: never); the planner learns from these.
+    sample_every: time every n-th batch with CUDA events (0: never); the planner learns from these. Also
+                  timed (unless 0): a mask-only shape's judged batches and its first unread replays, so a
+                  shape that skips the lengths read and measures slower goes back to reading them.
     explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket.
     validate_lengths: when both `lengths=` and a key padding mask are given, check they agree (one
                device->host copy); set False to trust `lengths` and skip the copy.

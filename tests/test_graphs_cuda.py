@@ -247,13 +247,8 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
         torch.manual_seed(i)
         x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
         mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
-        rt_.mask_shapes[(B, L)] = [
-            dispatch._TRUST,
-            PADDED_GRAPH,
-            0,
-            {"padded_graph": 1.0},
-            0,
-        ]  # as if judged _TRUST times already
+        # as if judged _TRUST times already
+        rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want, _ = run(enc, PADDED, lengths, L=L, seed=i)
@@ -270,7 +265,7 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
     B, L = 3, 40
-    rt_.mask_shapes[(B, L)] = [dispatch._TRUST, PADDED_GRAPH, 0, {"padded_graph": 1.0}, 0]
+    rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
     x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
     want = []
     with torch.inference_mode():
@@ -281,6 +276,31 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
             want.append(sum(lengths))
     got = [d.stats.total for d in autoragged.recent_decisions(enc, 150)]
     assert got == want
+
+
+def test_a_trusted_shape_that_measures_slower_fed_the_mask_reads_its_lengths_again():
+    """The first replays of a trusted shape fed the mask are timed (a capture is not); measured slower
+    than the shape's read path (here a made-up 1 ns), the shape goes back to reading its lengths."""
+    from autoragged import _dispatch as dispatch
+
+    enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=1000)
+    rt_ = enc._autoragged
+    B, L = 3, 40
+    entry = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
+    entry[5]["read"].append(1e-6)
+    rt_.mask_shapes[(B, L)] = entry
+    x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+    mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor([L, 7, 20], device="cuda")[:, None]
+    reasons = []
+    with torch.inference_mode():
+        for _ in range(6):
+            enc(x, src_key_padding_mask=mask)
+            rt_._harvest(wait=True)
+            reasons.append(autoragged.recent_decisions(enc, 1)[0].reason)
+    assert len(entry[5]["unread"]) == 2 and entry[5]["lost"] and entry[0] == 0
+    assert all(u > 0 for u in entry[5]["unread"])
+    # seen once, captured, then two timed replays; from there on the lengths are read
+    assert ["not read" in r for r in reasons] == [True] * 4 + [False] * 2
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -305,7 +325,7 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
         if not batch_first:
             x = x.transpose(0, 1).contiguous()
-        rt_.mask_shapes[(B, L)] = [dispatch._TRUST, arm, 0, {arm.label: 1.0}, 200]  # as if judged already
+        rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 200)  # judged
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want = rt_.base.forward(enc, x, None, mask, None)

@@ -399,7 +399,7 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
-    streak, arm, _, predicted, _ = rt.mask_shapes[(8, 40)]
+    streak, arm, _, predicted, _, _ = rt.mask_shapes[(8, 40)]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
     assert rt.mask_shapes[(8, 40)][0] == 0
@@ -421,7 +421,7 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
     predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
     rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded, tokens = rt.mask_shapes[(8, 40)]
+    streak, chosen, _, recorded, tokens, _ = rt.mask_shapes[(8, 40)]
     assert streak == 1 and chosen == mask_arm and recorded == predicted
     assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
     rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
@@ -431,6 +431,47 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     del predicted[mask_arm.label]  # no prediction for it (graphs off): the padded arms alone
     rt._judge_shape(9, 40, predicted, mask_arm)
     assert rt.mask_shapes[(9, 40)][0] == 0
+
+
+class _DoneEvents:
+    """A (start, end) pair of finished CUDA events that measured `ms`, for _harvest."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return self.ms
+
+
+def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
+    """The verdicts are predictions; timed runs overrule them: once two unread runs of a shape took longer
+    than its timed read path plus the read, the shape reads its lengths and is not trusted again."""
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_samples.append(0.1)
+    for B, read_ms, unread in [(8, 1.0, [1.05, 1.2]), (9, 1.0, [1.2, 1.3])]:
+        for _ in range(dispatch._TRUST):
+            rt._judge_shape(B, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
+        entry = rt.mask_shapes[(B, 40)]
+        probe = entry[5]
+        assert entry[0] == dispatch._TRUST and probe["left"] == dispatch._PROBES
+        probe["read"].append(read_ms)
+        for ms in unread:  # as _run_unread queues them; _harvest hands each to _probe_result
+            ev = _DoneEvents(ms)
+            rt.pending.append((ev, ev, None, torch.device("cpu"), False, (probe, B, 40)))
+        rt._harvest()
+        assert not rt.pending
+    assert rt.mask_shapes[(8, 40)][0] == dispatch._TRUST  # 1.05 <= 1.0 + 0.1: it stays trusted
+    lost = rt.mask_shapes[(9, 40)]
+    assert lost[5]["lost"] and lost[0] == 0  # 1.2 > 1.0 + 0.1
+    rt._judge_shape(9, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
+    assert lost[0] == 0  # the prediction still says the unread arm wins: the measurement stands
 
 
 def test_causal_mask_batches_always_read_their_lengths():
