@@ -315,14 +315,16 @@ class _Runtime:
         if mask_only and free:
             shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(x.device, stats), stats.total)
             if shape[0] > 0 and not shape[5]["lost"]:  # a verdict for the unread arm: time the read path too
-                probe = shape[5]["read"]
+                probe = (shape[5], B, L, "read")
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
-        sampled = sampled or (probe is not None and x.is_cuda and self.sample_every > 0)
         if sampled and self.explore and free:
             alt = self.planners[x.device].explore(stats, arm)
             if alt is not None:
                 arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
+        # a probe times the read path as the shape runs it: the planner's arm, not an explored one
+        probe = probe if probe is not None and x.is_cuda and self.sample_every > 0 and arm == plan.arm else None
+        sampled = sampled or probe is not None
         if ragged_in and arm.ragged and arm.config.align != src.align:
             # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
             # is captured for that alignment
@@ -338,6 +340,7 @@ class _Runtime:
         if note:  # a graph arm ran eagerly this time: record what really ran, and why
             record.arm = Arm(arm.kind[: -len("_graph")], arm.config)
             record.reason = f"{why}; {note}"
+            probe = None  # not how the shape runs once its graph is captured
         if sampled:
             end.record()
             self.ring.append(record)
@@ -407,7 +410,7 @@ class _Runtime:
         if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
             end.record()
             probe["left"] -= 1
-            self.pending.append((start, end, None, x.device, False, (probe, B, L)))
+            self.pending.append((start, end, None, x.device, False, (probe, B, L, "unread")))
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
         record = _Record(None, arm, predicted, why, device_key(x.device), self.sig_key)
@@ -447,10 +450,11 @@ class _Runtime:
         out = _zero_pads(out, kpm, self.batch_first)
         return out, kpm.sum(1, dtype=torch.int32), L, note
 
-    def _probe_result(self, probe: dict, B: int, L: int, ms: float) -> None:
-        """One timed unread run of (B, L): once two are in, a shape whose unread arm took longer than its
-        timed read path plus the read's cost loses its trust (the predictions said otherwise)."""
-        probe["unread"].append(ms)
+    def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
+        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,
+        a shape whose unread arm took longer than its read path plus the read's cost loses its trust
+        (the predictions said otherwise)."""
+        probe[kind].append(ms)
         if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
             return
         unread, read = min(probe["unread"]), min(probe["read"])
@@ -648,11 +652,10 @@ class _Runtime:
                 return
             self.pending.popleft()
             ms = start.elapsed_time(end)
-            if record is None:  # a timed unread run: its record went out when it ran
-                self._probe_result(*probe, ms)
-                continue
             if probe is not None:
-                probe.append(ms)
+                self._probe_result(*probe, ms)
+            if record is None:  # a timed unread run: its record went out when it ran
+                continue
             record.measured_ms = ms
             if free and device in self.planners:
                 self.planners[device].observe(record.stats, record.arm, ms)
