@@ -314,8 +314,8 @@ class _Runtime:
         probe = None
         if mask_only and free:
             shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(x.device, stats), stats.total)
-            if shape[0] > 0 and not shape[5]["lost"]:  # a verdict for the unread arm: time the read path too
-                probe = (shape[5], B, L, "read")
+            if shape[0] > 0 and not shape[5]["lost"] and len(shape[5]["read"]) < _PROBES:
+                probe = (shape[5], B, L, "read")  # a verdict for the unread arm: time the read path too
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0 and x.is_cuda
         if sampled and self.explore and free:
