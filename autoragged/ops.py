@@ -90,7 +90,9 @@ def linear_values(
     cuBLAS and the references compute every row. Without a `config`, the Triton tiles are picked for
     `rows` (default: x's rows), see `kernels.ragged_linear.default_config`."""
     k_lin.check_inputs(x, weight, bias, activation)
-    config = config or k_lin.default_config(weight.shape[0], weight.shape[1], rows or x.shape[0])
+    config = config or k_lin.default_config(
+        weight.shape[0], weight.shape[1], rows or x.shape[0], k_lin.sm_count(x.device)
+    )
     if config.backend == "cublas":
         return k_lin.cublas_linear(x, weight, bias, activation)
     if not use_triton(x):

@@ -2,10 +2,11 @@
 
 A ragged graph with Triton linears (autoragged/_graphs.py) runs `ragged_linear(..., live=...)`: a fixed
 grid walks the tiles of the rows the batch fills. This measures it that way: for each (shape, rows,
-config), 10 back-to-back calls captured in one CUDA graph, replayed with CUDA events (median of the
-replays / 10), the weight buffer sized for twice the rows (a graph's capacity, as with a mask), and
-`live` holding the real row count. cuBLAS is timed the same way on exactly the real rows (the best it
-could do: the cuBLAS graph arm computes its whole bucket).
+config, kernel), 10 back-to-back calls captured in one CUDA graph, replayed with CUDA events (median of
+the replays / 10), the input buffer sized for twice the rows (a graph's capacity, as with a mask; rounded
+up to 128 rows, as graph buckets are), and `live` holding the real row count. Both kernels: "tma" (TMA
+descriptors, the default on Hopper) and "ptr" (the pointer kernel, the fallback). cuBLAS is timed the
+same way on exactly the real rows (the best it could do: the cuBLAS graph arm computes its whole bucket).
 
     python benchmarks/linear_tiles.py                 # CoRa and BERT-base shapes, 400..16384 rows
     python benchmarks/linear_tiles.py --rows 512 2048 --shapes qkv ff2
@@ -17,6 +18,7 @@ Prints the best config per (shape, rows) and writes benchmarks/results/linear_ti
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -36,10 +38,11 @@ SHAPES = {
 }  # fmt: skip
 ROWS = [400, 900, 1600, 2900, 5700, 9000, 16384]
 TILES = [  # (block_m, block_n, block_k, warps, stages)
-    (16, 64, 128, 2, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 64, 64, 2, 4), (32, 128, 64, 4, 4),
-    (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3),
-    (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4), (128, 256, 64, 8, 3),
+    (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
+    (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
 ]  # fmt: skip
+KERNELS = {"tma": None, "ptr": False}  # ragged_linear's `tma` argument
+TIMED = ("cublas", "tma_best", "tma_default", "ptr_best", "ptr_default")
 CALLS = 10
 
 
@@ -71,7 +74,7 @@ def bench(shape: str, rows: int) -> dict:
     n, k, act = SHAPES[shape]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(rows)
-    x = torch.randn(2 * rows, k, device=dev, dtype=torch.float16, generator=g)
+    x = torch.randn(-(-2 * rows // 128) * 128, k, device=dev, dtype=torch.float16, generator=g)
     w = torch.randn(n, k, device=dev, dtype=torch.float16, generator=g) / k**0.5
     b = torch.randn(n, device=dev, dtype=torch.float16, generator=g)
     live = torch.tensor([rows], dtype=torch.int32, device=dev)
@@ -82,20 +85,28 @@ def bench(shape: str, rows: int) -> dict:
     row["cublas_ms"] = graph_ms(lambda: k_lin.cublas_linear(real, w, b, act))
     configs = {f"m{bm}n{bn}k{bk}w{wp}s{st}": KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
                                                            num_stages=st) for bm, bn, bk, wp, st in TILES}  # fmt: skip
-    configs["default"] = k_lin.default_config(n, k, rows)
-    ours = {}
-    for name, c in configs.items():
-        y = k_lin.ragged_linear(x, w, b, act, c, live=live)
-        err = ((y[:rows].float() - want).norm() / want.norm()).item()
-        if not err < 1e-2:
-            raise RuntimeError(f"{shape} rows={rows} {name}: relative error {err:.2e}")
-        ours[name] = graph_ms(lambda c=c: k_lin.ragged_linear(x, w, b, act, c, live=live))
-    best = min((v, key) for key, v in ours.items() if key != "default")
-    row.update(ours=ours, best=best[1], best_ms=best[0], default_ms=ours["default"],
-               default_config=configs["default"].short())  # fmt: skip
-    row["best_vs_cublas"] = row["cublas_ms"] / best[0]
-    row["default_vs_cublas"] = row["cublas_ms"] / ours["default"]
+    configs["default"] = k_lin.default_config(n, k, rows, k_lin.sm_count(dev))
+    for kernel, tma in KERNELS.items():
+        ours = {}
+        for name, c in configs.items():
+            y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=dev)
+            k_lin.ragged_linear(x, w, b, act, c, live=live, tma=tma, out=y)
+            err = ((y[:rows].float() - want).norm() / want.norm()).item()
+            if not err < 1e-2:  # NaN (a row not written) fails too
+                raise RuntimeError(f"{shape} rows={rows} {kernel} {name}: relative error {err:.2e}")
+            ours[name] = graph_ms(lambda c=c, tma=tma: k_lin.ragged_linear(x, w, b, act, c, live=live, tma=tma))
+        best = min((v, key) for key, v in ours.items() if key != "default")
+        row[kernel] = ours
+        row[f"{kernel}_best"], row[f"{kernel}_best_ms"], row[f"{kernel}_default_ms"] = best[1], best[0], ours["default"]
+        row[f"{kernel}_best_vs_cublas"] = row["cublas_ms"] / best[0]
+        row[f"{kernel}_default_vs_cublas"] = row["cublas_ms"] / ours["default"]
+    row["default_config"] = configs["default"].short()
     return row
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,16 +123,29 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.rows:
             rows.append(bench(shape, r))
             x = rows[-1]
-            print(f"  {shape:8s} rows={r:6d} cublas={x['cublas_ms'] * 1e3:6.1f}us best={x['best_ms'] * 1e3:6.1f}us "
-                  f"({x['best']}) default={x['default_ms'] * 1e3:6.1f}us", flush=True)  # fmt: skip
+            cells = " ".join(f"{c}={x[f'{c}_ms'] * 1e3:6.1f}us" for c in TIMED)
+            print(f"  {shape:8s} rows={r:6d} {cells} (TMA best {x['tma_best']})", flush=True)
+    us = [{**r, **{f"{c}_us": r[f"{c}_ms"] * 1e3 for c in TIMED}} for r in rows]
     print("\n## Triton linear in a CUDA graph, us per call (cuBLAS / ours: > 1 means ours is faster)\n")
-    print(table([{**r, "cublas_us": r["cublas_ms"] * 1e3, "best_us": r["best_ms"] * 1e3,
-                  "default_us": r["default_ms"] * 1e3} for r in rows], [
-        ("shape", "shape", ""), ("rows", "rows", "d"), ("cublas_us", "cuBLAS", ".1f"), ("best_us", "best", ".1f"),
-        ("best", "best config", ""), ("default_us", "default", ".1f"), ("default_config", "default config", ""),
-        ("best_vs_cublas", "cuBLAS/best", ".2f"), ("default_vs_cublas", "cuBLAS/default", ".2f"),
+    print(table(us, [
+        ("shape", "shape", ""), ("rows", "rows", "d"), ("cublas_us", "cuBLAS", ".1f"),
+        ("tma_best_us", "TMA best", ".1f"), ("tma_best", "TMA best config", ""),
+        ("tma_default_us", "TMA default", ".1f"),
+        ("default_config", "default config", ""), ("ptr_best_us", "pointer best", ".1f"),
+        ("ptr_default_us", "pointer default", ".1f"), ("tma_default_vs_cublas", "cuBLAS/TMA default", ".2f"),
+        ("ptr_default_vs_cublas", "cuBLAS/pointer default", ".2f"),
     ]))  # fmt: skip
-    path = write_json("linear_tiles.json", {"env": env, "args": vars(args), "rows": rows}, args.out)
+    summary = {}
+    for kernel in KERNELS:
+        for which in ("best", "default"):
+            ratios = [r[f"{kernel}_{which}_vs_cublas"] for r in rows]
+            summary[f"{kernel}_{which}_vs_cublas"] = {
+                "geomean": _geomean(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
+            print(f"cuBLAS / {kernel} {which}: geomean {_geomean(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
+    path = write_json("linear_tiles.json", {"env": env, "args": vars(args), "summary": summary, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
 

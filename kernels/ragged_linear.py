@@ -5,6 +5,13 @@ One weight is shared by every component, so the ragged product is a dense one ov
 accumulation, and bias plus relu/gelu fused in the epilogue. cuBLAS (`torch.nn.functional.linear`)
 is the other backend; the tuner decides which wins for which shape.
 
+Two kernels compute it. On Hopper (and in the interpreter) tiles move through TMA tensor descriptors, and
+a persistent grid walks them in one flattened loop, so the loads of a program's next tile overlap the
+epilogue of its last (`_linear_tma_kernel`). Elsewhere, for tensors TMA cannot address (16-byte aligned
+base and row strides), and under torch.compile, the pointer kernel runs (`_linear_kernel`). In a CUDA
+graph with live rows on the H100 the TMA kernel's default tiles reached 0.60-1.12x cuBLAS's rate (geomean
+0.84x), the pointer kernel's 0.49-1.01x (geomean 0.70x) (benchmarks/linear_tiles.py, 2026-11-23).
+
 Shape contracts
     x:       (T, K), stride 1 on K
     weight:  (N, K), `nn.Linear` layout, stride 1 on K
@@ -22,11 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from ._config import KernelConfig, _identity, dot_upcast, interpreting
-from ._triton import tl, triton
+from ._triton import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "check_live",
     "persistent_programs",
+    "sm_count",
+    "tma_usable",
+    "fit_shared_memory",
     "ragged_linear",
     "ragged_linear_ref",
     "cublas_linear",
@@ -39,6 +52,18 @@ __all__ = [
 
 ACTIVATIONS = (None, "relu", "gelu")
 _ACT_CODE = {None: 0, "relu": 1, "gelu": 2}
+
+
+@triton.jit
+def _bias_activation(acc, Bias, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The epilogue both kernels share: + bias, then relu or exact gelu, in fp32."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 1:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == 2:  # exact gelu, as nn.GELU() / F.gelu default
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    return acc
 
 
 @triton.jit
@@ -72,12 +97,7 @@ def _linear_tile(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if HAS_BIAS:
-        acc += tl.load(Bias + cols).to(tl.float32)[None, :]
-    if ACTIVATION == 1:
-        acc = tl.maximum(acc, 0.0)
-    elif ACTIVATION == 2:  # exact gelu, as nn.GELU() / F.gelu default
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    acc = _bias_activation(acc, Bias, offs_n, N, HAS_BIAS, ACTIVATION)
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -116,6 +136,38 @@ def _linear_kernel(
                      HAS_BIAS, ACTIVATION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)  # fmt: skip
 
 
+@triton.jit
+def _linear_tma_kernel(
+    x_desc, w_desc, y_desc, Bias, Live, M, N, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """A persistent grid over the output tiles of the first min(*Live, M) rows (all M without Live), one
+    flattened loop over (tile, k): TMA loads of the next tile start while this one's epilogue runs. Loads
+    past M or K read zeros and stores past M or N are dropped, by the descriptors' bounds: no masks."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    rows = M
+    if HAS_LIVE:
+        rows = tl.minimum(tl.load(Live), M)
+    num_m = tl.cdiv(rows, BLOCK_M)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped(tile, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+            a = x_desc.load([off_m, ki * BLOCK_K])
+            b = w_desc.load([off_n, ki * BLOCK_K])
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _bias_activation(acc, Bias, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACTIVATION)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
 # -- config space -------------------------------------------------------------------------------
 # Keyed by (N, K, dtype) and a bucket of T (rows), never T itself: T changes every batch.
 CONFIGS = [
@@ -141,23 +193,48 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
     return smem <= 200 * 1024
 
 
-# The default tiles by rows, measured in a CUDA graph with `live` rows (benchmarks/linear_tiles.py, H100,
-# 2026-11-23, CoRa 512/2048 and BERT-base 768/3072 linears at 400-16384 rows): each pick is within
-# 0.92-0.99 of the best of 14 tilings (geomean over the bucket's shapes); the old fixed m128n128k64w8s3
-# was 0.55-0.93, worst on few rows with K > N (ff2 at 400 rows: 16.9 us against 8.5 us), where its 16
-# tiles leave most of 132 SMs idle. cuBLAS stays 1.01-2.1x faster than these defaults: the cuBLAS arms stay.
+# The default tiles by rows, measured in a CUDA graph with `live` rows (`python benchmarks/linear_tiles.py`,
+# H100, 2026-11-23, the TMA kernel on the CoRa 512/2048 and BERT-base 768/3072 linears at 400-16384 rows):
+#   rows <= 1024: m64n64k128w4s3, within 0-15% of the best of 8 tilings (median 3.5%);
+#   rows <= 4096: m64n128k64w4s4, within 0-9% (median 1.8%);
+#   more rows: m128n256k64w8s3, one program per SM, where its tiles fill at least 3/4 of their last wave,
+#   else the mid tiles: within 0-11% (median 0.3%). N = 512 at 9000 rows is 142 large tiles on 132 SMs
+#   (2 waves at 54%): the mid tiles took 14.7 and 40.9 us there, the large ones 17.6 and 49.0.
+# Against cuBLAS the defaults take 0.89-1.66x its time at 1600-9000 rows: the cuBLAS arms stay.
 _SMALL_ROWS, _MID_ROWS = 1024, 4096
-_SMALL_DEEP = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)  # K > N, few rows
+_SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 _LARGE = KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+_FULL_WAVE = 0.75  # the large tiles' share of their last wave below which the mid tiles win
 
 
-def default_config(n: int, k: int, rows: int) -> KernelConfig:
-    """The untuned tiles for an (N, K) weight on `rows` rows. Bucketed by rows, never keyed on them, so a
-    new batch size never needs a new kernel."""
-    if rows <= _SMALL_ROWS and k > n:
-        return _SMALL_DEEP
-    return _MID if rows <= _MID_ROWS else _LARGE
+def default_config(n: int, k: int, rows: int, sms: int = 132) -> KernelConfig:
+    """The untuned tiles for an (N, K) weight on `rows` rows of a GPU with `sms` SMs. Bucketed by rows,
+    never keyed on them, so a new batch size never needs a new kernel."""
+    if rows <= _SMALL_ROWS:
+        return _SMALL
+    if rows <= _MID_ROWS:
+        return _MID
+    tiles = -(-rows // _LARGE.block_m) * -(-n // _LARGE.block_n)
+    waves = -(-tiles // sms)
+    return _LARGE if tiles >= _FULL_WAVE * waves * sms else _MID
+
+
+def fit_shared_memory(config: KernelConfig, element_size: int, limit: int = 227 * 1024) -> KernelConfig:
+    """`config` with fewer stages, then a shorter K tile, until its pipeline buffers and the TMA store's
+    staging tile fit in `limit` bytes of shared memory (an H100 block may use 227 KB): the tiles are picked
+    for 2-byte elements (m128n256k64s3 needs 208 KB), and fp32 doubles that."""
+
+    def need(c: KernelConfig) -> int:
+        return (c.num_stages * (c.block_m + c.block_n) * c.block_k + c.block_m * c.block_n) * element_size
+
+    while need(config) > limit and config.num_stages > 2:
+        config = config.replace(num_stages=config.num_stages - 1)
+    while need(config) > limit and config.block_k > 16:
+        config = config.replace(block_k=config.block_k // 2)
+    while need(config) > limit and config.block_n > 16:
+        config = config.replace(block_n=config.block_n // 2)
+    return config
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -174,19 +251,50 @@ def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         )
 
 
-_PROGRAMS: dict = {}
+_SMS: dict = {}
 
 
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a grid whose programs loop over work only the device can count: two per SM. The small
-    and mid default tiles fit two per SM in an H100's shared memory; the large one fits one, and its
-    second program per SM waits for the first. The interpreter gets 3, so loops run."""
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached); 132, an H100's, off CUDA (the default tiles' GPU)."""
+    if device.type != "cuda":
+        return 132
+    n = _SMS.get(device.index)
+    if n is None:
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def persistent_programs(device: torch.device, config: KernelConfig | None = None) -> int:
+    """Programs of a grid whose programs loop over work only the device can count: two per SM, one for
+    tiles of 128 x 256 and up (they fill an H100 SM's shared memory, and a second program per SM only
+    waits). The interpreter gets 3, so loops run."""
     if interpreting() or device.type != "cuda":
         return 3
-    n = _PROGRAMS.get(device.index)
-    if n is None:
-        n = _PROGRAMS[device.index] = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return n
+    per_sm = 1 if config is not None and config.block_m * config.block_n >= 128 * 256 else 2
+    return per_sm * sm_count(device)
+
+
+_MAJOR: dict = {}
+
+
+def _major(device: torch.device) -> int:
+    major = _MAJOR.get(device.index)
+    if major is None:
+        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
+    return major
+
+
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter), rows
+    contiguous, base addresses and row strides 16-byte aligned."""
+    t0 = tensors[0]
+    if not interpreting() and not (t0.is_cuda and _major(t0.device) >= 9):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or t.shape[1] * size < 16:
+            return False
+    return True
 
 
 def check_live(live: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -207,9 +315,13 @@ def ragged_linear(
     config: KernelConfig = DEFAULT_CONFIG,
     wrap=None,
     live: torch.Tensor | None = None,
+    tma: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) on every row of `x` (only rows < live[0] with `live`, see the module
-    docstring); returns a new (T, N) tensor."""
+    docstring), written to `out` (T, N) contiguous, or a new tensor. `tma`: None picks the TMA kernel
+    wherever it can run (never under `wrap`, torch.compile's path), False the pointer kernel; True insists
+    (ValueError if it cannot)."""
     check_inputs(x, weight, bias, activation)
     check_live(live, x)
     if config.backend == "cublas":
@@ -220,24 +332,40 @@ def ragged_linear(
         weight = weight.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({M}, {N}) {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")  # fmt: skip
     if M == 0 or N == 0:
         return out
     if K == 0:
-        return ragged_linear_ref(x, weight, bias, activation)
+        return out.copy_(ragged_linear_ref(x, weight, bias, activation))
+    config = fit_shared_memory(config, x.element_size())
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(K)))
     precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    if live is not None:
-        grid = (min(grid[0], persistent_programs(x.device)),)
+    flags = dict(HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation], HAS_LIVE=live is not None,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, PRECISION=precision,
+                 UPCAST=dot_upcast(str(x.dtype)[6:]))  # fmt: skip
+    bias_arg, live_arg = bias if bias is not None else x, live if live is not None else x
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    usable = wrap is None and tma_usable(x, weight, out)
+    if tma and not usable:
+        raise ValueError("tma=True, but TMA cannot address these tensors here (needs sm90+ and 16-byte alignment)")
+    if usable and tma is not False:
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+        y_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+        _linear_tma_kernel[(min(tiles, persistent_programs(x.device, config)),)](
+            x_desc, w_desc, y_desc, bias_arg, live_arg, M, N, K, **flags, NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        return out
+    grid = (tiles if live is None else min(tiles, persistent_programs(x.device)),)
     (wrap or _identity)(_linear_kernel)[grid](
-        x, weight, bias if bias is not None else x, out, live if live is not None else x, M, N, K,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation], EVEN_K=K % bk == 0, HAS_LIVE=live is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        PRECISION=precision, UPCAST=dot_upcast(str(x.dtype)[6:]),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x, weight, bias_arg, out, live_arg, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        **flags, EVEN_K=K % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

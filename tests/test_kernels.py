@@ -4,6 +4,8 @@ Runs the Triton kernels compiled on CUDA or in the interpreter on CPU (conftest 
 without a GPU), and the PyTorch reference path of `autoragged.ops` on every device.
 """
 
+import itertools
+
 import pytest
 import torch
 from _tolerance import assert_within_torch_error
@@ -110,19 +112,48 @@ LINEAR_CONFIGS = [
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", k_lin.ACTIVATIONS)
-@pytest.mark.parametrize("shape", [(1, 48, 40), (130, 96, 64), (65, 16, 16), (0, 8, 16)], ids=str)
-def test_linear(device, dtype, activation, shape):
+@pytest.mark.parametrize("shape", [(1, 48, 40), (130, 96, 64), (65, 16, 16), (0, 8, 16), (33, 24, 12)], ids=str)
+@pytest.mark.parametrize("tma", [None, False], ids=["tma-if-usable", "pointer"])
+def test_linear(device, dtype, activation, shape, tma):
+    """Both kernels (TMA descriptors where they can address the tensors, else and when asked the pointer
+    kernel; K = 12 has rows TMA cannot address), NaN-poisoned outputs, against fp64."""
     M, N, K = shape
     x = torch.randn(M, K, dtype=torch.float64).to(dtype).to(device)
     w = (torch.randn(N, K, dtype=torch.float64) / K**0.5).to(dtype).to(device)
     b = torch.randn(N, dtype=torch.float64).to(dtype).to(device)
     for config in LINEAR_CONFIGS:
         for bias in (b, None):
-            y = k_lin.ragged_linear(x, w, bias, activation, config)
+            y = _poisoned_linear(x, w, bias, activation, config, tma=tma)
             ref64 = k_lin.ragged_linear_ref(x.double(), w.double(), None if bias is None else bias.double(), activation)
             same = k_lin.ragged_linear_ref(x, w, bias, activation)
             assert y.shape == (M, N) and y.dtype == dtype
-            assert_within_torch_error(y, same, ref64, f"linear {dtype} {shape} {activation} {config.short()}")
+            assert_within_torch_error(y, same, ref64, f"linear {dtype} {shape} {activation} {config.short()} {tma}")
+
+
+def _poisoned_linear(x, w, bias, activation, config, **kwargs):
+    """ragged_linear into an output filled with NaN first, so an unwritten element shows."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    y = k_lin.ragged_linear(x, w, bias, activation, config, out=out, **kwargs)
+    assert y is out
+    return y
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_linear_tma_is_used_only_where_it_can_address_the_tensors(device):
+    """TMA needs 16-byte aligned bases and row strides: a view one element in, or rows of 12 fp16 (24
+    bytes), cannot be described, and asking for TMA there is an error that says why."""
+    x = torch.randn(40, 65, dtype=torch.float16, device=device)
+    w = torch.randn(24, 64, dtype=torch.float16, device=device)
+    if interpreting() or (device == "cuda" and torch.cuda.get_device_capability()[0] >= 9):
+        assert k_lin.tma_usable(x[:, :64].contiguous(), w)
+    assert not k_lin.tma_usable(x[:, 1:], w)  # base 2 bytes in, rows 130 bytes apart
+    assert not k_lin.tma_usable(torch.randn(8, 12, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="TMA cannot address"):
+        k_lin.ragged_linear(x[:, 1:], w, None, None, LINEAR_CONFIGS[0], tma=True)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        k_lin.ragged_linear(x[:, :64], w, out=torch.empty(24, 40, dtype=torch.float16, device=device))
+    y = k_lin.ragged_linear(x[:, 1:], w, None, None, LINEAR_CONFIGS[0])  # falls back to the pointer kernel
+    torch.testing.assert_close(y.float(), torch.nn.functional.linear(x[:, 1:].float(), w.float()), rtol=2e-2, atol=2e-2)
 
 
 def test_linear_strided_input_and_cublas_backend(device):
@@ -134,12 +165,31 @@ def test_linear_strided_input_and_cublas_backend(device):
 
 
 def test_linear_default_tiles_follow_the_rows():
-    """Few rows and a deep reduction get small tiles; many rows get large ones."""
-    small, mid, large = (k_lin.default_config(512, 2048, r) for r in (400, 2000, 9000))
-    assert (small.block_m, small.block_n, small.block_k) == (64, 64, 128)
-    assert k_lin.default_config(1536, 512, 400) == mid == k_lin.default_config(512, 2048, 4096)
-    assert large.block_m * large.block_n > mid.block_m * mid.block_n
+    """Few rows get small tiles, a few thousand the mid ones; more rows get the large tiles where they fill
+    their last wave of programs (one per SM) and the mid ones where they do not."""
+    small, mid, large = k_lin._SMALL, k_lin._MID, k_lin._LARGE
+    assert k_lin.default_config(512, 2048, 400) == small == k_lin.default_config(1536, 512, 1024)
+    assert k_lin.default_config(1536, 512, 2000) == mid == k_lin.default_config(512, 2048, 4096)
+    assert large.block_m * large.block_n > mid.block_m * mid.block_n > small.block_m * small.block_n
+    # 9000 rows: N = 512 gives 71 x 2 = 142 large tiles, 2 waves of 132 at 54%; N = 1536 gives 426, 4 at 81%
+    assert k_lin.default_config(512, 2048, 9000) == mid and k_lin.default_config(1536, 512, 9000) == large
+    assert k_lin.default_config(512, 2048, 16384) == large  # 256 tiles, 2 waves at 97%
+    assert k_lin.default_config(512, 2048, 16384, sms=200) == mid  # 2 waves of 200 at 64%
     assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
+
+
+def test_linear_tiles_fit_shared_memory():
+    """The default tiles are picked for 2-byte elements; fp32 gets fewer stages, then shorter K tiles, until
+    its buffers fit, and 2-byte tiles that fit are left alone."""
+
+    def need(c, size):
+        return (c.num_stages * (c.block_m + c.block_n) * c.block_k + c.block_m * c.block_n) * size
+
+    for config in (k_lin._SMALL, k_lin._MID, k_lin._LARGE):
+        assert k_lin.fit_shared_memory(config, 2) == config
+        fp32 = k_lin.fit_shared_memory(config, 4)
+        assert need(fp32, 4) <= 227 * 1024 and (fp32.block_m, fp32.num_warps) == (config.block_m, config.num_warps)
+    assert k_lin.fit_shared_memory(k_lin._LARGE, 4) != k_lin._LARGE
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -173,10 +223,10 @@ def test_linear_and_norm_stop_at_the_live_rows(device, live):
     b = torch.randn(N, dtype=torch.float64).to(torch.float16).to(device)
     count = torch.tensor([live, 999], dtype=torch.int32, device=device)  # only element 0 is read
     n = min(live, M)
-    for config in LINEAR_CONFIGS:
-        y = k_lin.ragged_linear(x, w, b, "relu", config, live=count)
-        want = k_lin.ragged_linear(x, w, b, "relu", config)  # the kernel computes rows the same way either way
-        assert torch.equal(y[:n], want[:n]), config.short()
+    for config, tma in itertools.product(LINEAR_CONFIGS, (None, False)):
+        y = _poisoned_linear(x, w, b, "relu", config, live=count, tma=tma)
+        want = k_lin.ragged_linear(x, w, b, "relu", config, tma=tma)  # the kernel computes rows alike either way
+        assert torch.equal(y[:n], want[:n]), (config.short(), tma)
     r = torch.randn(M, N, dtype=torch.float64).to(torch.float16).to(device)
     for config in (k_ln.default_config(N), KernelConfig(block_m=4, num_warps=2, num_stages=1)):
         out, total = k_ln.add_layer_norm(y, r, None, b, 1e-5, store_sum=True, config=config, live=count)
