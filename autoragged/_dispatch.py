@@ -196,8 +196,11 @@ def _wait_for_copy(host: torch.Tensor, values: list[int], event) -> list[int]:
 
 class _PadsRing:
     """Pinned host slots for the pad counts of batches whose lengths were not read: one non-blocking copy
-    and one event per batch, no allocation. A slot's previous record is resolved before the slot is
-    reused (its copy, `slots` batches old, is long done); records read earlier resolve themselves."""
+    and one event per batch, no allocation. Once per round of `slots` batches, before slot 0 is reused,
+    the counts of records nobody has read yet move off the ring in one clone (after the round's last copy
+    has landed: long done, unless the host ran a round ahead of the device); records read earlier resolve
+    themselves. Resolving one old record per batch instead (its copy-out and BatchStats) made `put` take
+    53 us per batch under cProfile on the H100 host (2026-11-23)."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
@@ -209,19 +212,35 @@ class _PadsRing:
         from ._graphs import record_event
 
         B = pads.shape[0]
-        if B > self.width:  # records still pending keep views of the old buffer alive
+        if B > self.width:  # records still pending keep views of the old buffer, which is never written again
             self.width = max(B, 2 * self.width)
             self.host = torch.empty(self.slots, self.width, dtype=torch.int32, pin_memory=True)
+            self.owners = [None] * self.slots
         self.i = i = (self.i + 1) % self.slots
-        previous = self.owners[i]
-        if previous is not None and previous._pending is not None:
-            previous.stats  # noqa: B018 - resolve it before its slot is overwritten
+        if i == 0:
+            self._release()
         view = self.host[i, :B]
         view.fill_(-1)  # the copy is done when no -1 is left (_Record.stats: no CUDA call needed)
         view.copy_(pads, non_blocking=True)
         record_event(self.events[i], self.device.index)
         self.owners[i] = record
         return view, self.events[i]
+
+    def _release(self) -> None:
+        """Move the counts of the round's unread records into a copy of the buffer, freeing every slot."""
+        from ._graphs import event_done
+
+        pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
+        self.owners = [None] * self.slots
+        if not pending:
+            return
+        event_done(self.events[(self.i - 1) % self.slots])  # the newest copy; copies land in stream order
+        snapshot = self.host.clone()
+        with _RESOLVE:
+            for j, record in pending:
+                if record._pending is not None:
+                    host, _, width, L = record._pending
+                    record._pending = (snapshot[j, : host.shape[0]], None, width, L)
 
 
 class _Runtime:

@@ -264,17 +264,21 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
 
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
-    B, L = 3, 40
-    rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
-    x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+    L = 40
     want = []
     with torch.inference_mode():
-        for i in range(150):  # more than the ring's 64 slots; every 16th batch reads its lengths instead
-            lengths = [L, 1 + i % L, 1 + (7 * i) % L]
-            mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
-            enc(x, src_key_padding_mask=mask)
-            want.append(sum(lengths))
-    got = [d.stats.total for d in autoragged.recent_decisions(enc, 150)]
+        # 150 batches of 3 (more than the ring's 64 slots: it wraps twice), then 70 of 5 (wider rows: the ring
+        # is reallocated mid-round, and records of the old buffer keep their counts); every 16th batch of a
+        # shape reads its lengths instead
+        for B, n in ((3, 150), (5, 70)):
+            rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
+            x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+            for i in range(n):
+                lengths = [L, *(1 + (j * 7 + 1) * i % L for j in range(B - 1))]
+                mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+                enc(x, src_key_padding_mask=mask)
+                want.append(sum(lengths))
+    got = [d.stats.total for d in autoragged.recent_decisions(enc, 220)]
     assert got == want
 
 
