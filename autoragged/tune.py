@@ -160,7 +160,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
 
     from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
-    from ._measure import make_batch, time_interleaved
+    from ._measure import make_batch, time_close_calls
     from ._planner import GRAPH_BACKENDS, default_ragged_config, graph_config
     from .workloads import sample
 
@@ -186,10 +186,11 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
                 continue
             arms.append(Arm("ragged", config))
             told.append((trial, len(arms) - 1))
-    # small batches take microseconds and their timings are noisy (host jitter): more repetitions there
+    # small batches take microseconds and their timings are noisy (host jitter): more repetitions there, and
+    # twice as many again for the arms the first round could not tell from the fastest
     reps = (15 if stats.batch * stats.max_len <= 16384 else 7) if ctx.device.type == "cuda" else 3
     fns = [lambda a=a: runner.run(a, x, mask, lengths, stats) for a in arms]
-    timings = time_interleaved(fns, ctx.device, warmup=2, reps=reps)
+    timings = time_close_calls(fns, ctx.device, reps=reps, extra_reps=2 * reps if ctx.device.type == "cuda" else 0)
     for trial, i in told:
         study.tell(trial, timings[i].median_ms / timings[1].median_ms)
     if ctx.device.type == "cuda" and stats.batch * stats.max_len > 65536:

@@ -283,3 +283,43 @@ def test_default_ragged_arm_is_what_the_planner_offers_untuned():
     planner = Planner(sig, _model.AnalyticPrior(device_key("cpu")))
     stats = BatchStats.from_lengths((30, 4))
     assert planner.candidates(stats) == [Arm("ragged", default_ragged_config(32, 30))]
+
+
+# -- timing near ties ----------------------------------------------------------------------------
+def test_close_to_best_keeps_the_arms_the_timings_cannot_separate():
+    from autoragged._measure import Timing, close_to_best
+
+    timings = [
+        Timing.of([1.00, 1.01, 1.00, 0.99, 1.00]),  # the fastest (p90 1.01)
+        Timing.of([1.02, 1.02, 1.03, 1.02, 1.02]),  # 2% slower: within the margin, apart from its p90
+        Timing.of([1.20, 0.98, 1.15, 1.10, 1.12]),  # 10% slower, but its p10 reaches the fastest's p90
+        Timing.of([1.30, 1.31, 1.29, 1.30, 1.32]),  # clearly slower
+    ]
+    assert close_to_best(timings) == [0, 1, 2]
+    assert close_to_best(timings, margin=0.0) == [0, 2]
+    assert close_to_best(timings[3:]) == [0]
+
+
+def test_close_calls_get_more_repetitions_pooled_with_the_first(monkeypatch):
+    """Arms the first round cannot tell apart are timed again (interleaved, `extra_reps` each) and their
+    samples pooled; an arm clearly slower keeps its first round; the extra time is capped."""
+    from autoragged import _measure
+
+    clock = {"a": iter([1.0, 1.3, 1.0, 1.0] * 10), "b": iter([1.1, 0.95, 1.1] * 20), "c": iter([2.0] * 20)}
+    order = []
+
+    def fake_time_ms(fn, device, warmup=0, reps=1):
+        name = fn()
+        order.append(name)
+        return _measure.Timing.of([next(clock[name])])
+
+    monkeypatch.setattr(_measure, "time_ms", fake_time_ms)
+    fns = [lambda: "a", lambda: "b", lambda: "c"]
+    timings = _measure.time_close_calls(fns, torch.device("cpu"), reps=3, extra_reps=6)
+    assert [t.reps for t in timings] == [9, 9, 3]
+    assert order[:9] == ["a", "b", "c"] * 3  # the first round, round-robin (warm-up calls are not timed)
+    assert order[9:] == ["a", "b"] * 6  # then only the close pair, interleaved
+    assert timings[0].samples[:3] == (1.0, 1.3, 1.0) and timings[2].median_ms == 2.0
+    order.clear()
+    capped = _measure.time_close_calls(fns, torch.device("cpu"), reps=3, extra_reps=6, max_extra_ms=4.5)
+    assert [t.reps for t in capped] == [5, 5, 3]  # 4.5 ms over ~2.1 ms per round of the pair: 2 more each
