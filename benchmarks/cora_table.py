@@ -49,6 +49,7 @@ from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, matmul_peak_tflops, require_cuda, table, write_json  # noqa: E402
+from kernels._config import KernelConfig  # noqa: E402
 from tuning_db import BatchStats  # noqa: E402
 
 DEFAULT_COLUMNS = [
@@ -166,12 +167,14 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
         if "auto" in cols:
             out["auto"] = t(lambda: models["auto"](x, src_key_padding_mask=mask))
             chosen = autoragged.recent_decisions(models["auto"], 1)[0].arm
+            out["auto_calls"] = _what_ran(models["auto"], args.reps)
             # results never depend on the arm: auto's output against PyTorch's on the real tokens
             got, want = models["auto"](x, src_key_padding_mask=mask), models["plain"](x, src_key_padding_mask=mask)
             real = ~mask
             out["auto_max_err"] = (got[real].float() - want[real].float()).abs().max().item()
         if "auto_lengths" in cols:  # the same wrapped model, told the lengths on the host (no device sync)
             out["auto_lengths"] = t(lambda: models["auto"](x, lengths=lengths))
+            out["auto_lengths_calls"] = _what_ran(models["auto"], args.reps)
         if "oracle" in cols:
             stats = BatchStats.from_lengths(tuple(lengths))
             cfg = default_ragged_config(D // CORA_MODEL["heads"], L)
@@ -181,14 +184,29 @@ def bench_batch(name, lengths, seed, args, models, device) -> tuple[dict[str, fl
     return out, chosen
 
 
+def _what_ran(model, n: int) -> dict[str, int]:
+    """How often each (arm with its config, reason) ran in the last `n` calls of `model` (the timed ones)."""
+    ran: dict[str, int] = {}
+    for d in autoragged.recent_decisions(model, n):
+        label = d.arm if d.config is None else f"{d.arm}:{KernelConfig.from_dict(d.config).short()}"
+        key = f"{label} | {d.reason[:80]}"
+        ran[key] = ran.get(key, 0) + 1
+    return ran
+
+
 def bench_row(name, batch, args, models, peak, device) -> dict:
     rng = np.random.default_rng(sum(map(ord, name)) * 1000 + batch)
     cells: dict[str, list[float]] = {c: [] for c in [*args.columns, "roofline", "auto_max_err"]}
     chosen = []
+    calls: dict[str, dict[str, int]] = {"auto_calls": {}, "auto_lengths_calls": {}}
     for b in range(args.batches):
         lengths = sample_cora(name, batch, rng)
         times, arm = bench_batch(name, lengths, b, args, models, device)
         for col, ms in times.items():
+            if col in calls:  # what ran in the timed calls, summed over the row's batches
+                for key, count in ms.items():
+                    calls[col][key] = calls[col].get(key, 0) + count
+                continue
             cells[col].append(ms)
         if arm:
             chosen.append(arm)
@@ -198,6 +216,7 @@ def bench_row(name, batch, args, models, peak, device) -> dict:
         row[col] = statistics.median(values) if values else None
     if chosen:
         row["auto_arms"] = {a: chosen.count(a) for a in sorted(set(chosen))}
+    row.update({col: ran for col, ran in calls.items() if ran})
     if cells.get("auto_max_err"):
         row["auto_max_err"] = max(cells["auto_max_err"])
     pytorch = [row[c] for c in ("padded_nofast", "pytorch_fast", "compile", "compile_ro") if row.get(c)]
