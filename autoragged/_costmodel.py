@@ -174,7 +174,9 @@ class AnalyticPrior:
             self.fixed_ragged_ms = 0.03
             self.graph_ms = 0.04  # one replay plus the copies in and out, whatever the depth
             # our Triton linear's rate against cuBLAS's in a graph, default tiles: geomean 0.70x (0.48-0.99) at
-            # 400-16K rows (benchmarks/linear_tiles.py, H100, 2026-11-23)
+            # 400-16K rows with the pointer kernel (benchmarks/linear_tiles.py, H100, 2026-11-23); the TMA kernel
+            # reaches 0.84x, which the learned residuals absorb. Stored models are residuals over this prior:
+            # changing it needs a FEATURE_VERSION bump, or their Triton-arm predictions shift silently.
             self.triton_linear_share = 0.7
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
