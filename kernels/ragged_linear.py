@@ -210,7 +210,8 @@ _FULL_WAVE = 0.75  # the large tiles' share of their last wave below which the m
 
 def default_config(n: int, k: int, rows: int, sms: int = 132) -> KernelConfig:
     """The untuned tiles for an (N, K) weight on `rows` rows of a GPU with `sms` SMs. Bucketed by rows,
-    never keyed on them, so a new batch size never needs a new kernel."""
+    never keyed on them, so a new batch size never needs a new kernel. K does not change the pick: with the
+    TMA kernel the same tiles led for deep (ff2) and shallow weights alike."""
     if rows <= _SMALL_ROWS:
         return _SMALL
     if rows <= _MID_ROWS:
