@@ -200,7 +200,7 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
 #   more rows: m128n256k64w8s3, one program per SM, where its tiles fill at least 3/4 of their last wave,
 #   else the mid tiles: within 0-11% (median 0.3%). N = 512 at 9000 rows is 142 large tiles on 132 SMs
 #   (2 waves at 54%): the mid tiles took 14.7 and 40.9 us there, the large ones 17.6 and 49.0.
-# Against cuBLAS the defaults take 0.89-1.66x its time at 1600-9000 rows: the cuBLAS arms stay.
+# Against cuBLAS the defaults take 1.03-1.66x its time at 1600-9000 rows: the cuBLAS arms stay.
 _SMALL_ROWS, _MID_ROWS = 1024, 4096
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
