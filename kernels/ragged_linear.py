@@ -252,17 +252,20 @@ def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         )
 
 
-_SMS: dict = {}
+_PROPERTIES: dict = {}
+
+
+def _properties(device: torch.device):
+    """torch.cuda.get_device_properties, cached per device (launchers ask on every call)."""
+    props = _PROPERTIES.get(device.index)
+    if props is None:
+        props = _PROPERTIES[device.index] = torch.cuda.get_device_properties(device)
+    return props
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (cached); 132, an H100's, off CUDA (the default tiles' GPU)."""
-    if device.type != "cuda":
-        return 132
-    n = _SMS.get(device.index)
-    if n is None:
-        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
+    """Streaming multiprocessors of `device`; 132, an H100's, off CUDA (the default tiles' GPU)."""
+    return _properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def persistent_programs(device: torch.device, config: KernelConfig | None = None) -> int:
@@ -275,21 +278,11 @@ def persistent_programs(device: torch.device, config: KernelConfig | None = None
     return per_sm * sm_count(device)
 
 
-_MAJOR: dict = {}
-
-
-def _major(device: torch.device) -> int:
-    major = _MAJOR.get(device.index)
-    if major is None:
-        major = _MAJOR[device.index] = torch.cuda.get_device_capability(device)[0]
-    return major
-
-
 def tma_usable(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can address these 2-D tensors: Hopper or newer (or the interpreter), rows
     contiguous, base addresses and row strides 16-byte aligned."""
     t0 = tensors[0]
-    if not interpreting() and not (t0.is_cuda and _major(t0.device) >= 9):
+    if not interpreting() and not (t0.is_cuda and _properties(t0.device).major >= 9):
         return False
     for t in tensors:
         size = t.element_size()
