@@ -55,6 +55,17 @@ class Arm:
     def graph(self) -> bool:
         return self.kind.endswith("_graph")
 
+    @property
+    def mask_only(self) -> bool:
+        """The ragged graph with Triton linears: predicted on every batch, but run only on mask-only batches
+        whose lengths are not read (the graph fed the mask, `_Runtime._judge_shape`). Where the lengths are
+        known the planner picks among the other arms. There it and the cuBLAS graph are within each other's
+        noise on most batches: held out on the H100 calibration of 2026-11-23, choosing it too changed the
+        total time by 0.01% (mean regret per batch 1.61% against 2.03% without it) while 84 of its 110
+        mistakes were one graph taken for the other (benchmarks/calibration_ablation.py); and a bucket
+        that ran both would hold two graphs of the module's `graph_cap`."""
+        return self.kind == "ragged_graph" and self.config is not None and self.config.backend == "triton"
+
 
 PADDED = Arm("padded")
 PADDED_GRAPH = Arm("padded_graph")
@@ -95,8 +106,8 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 5  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
-# linears of a ragged graph stop at the batch's rows (no bucket rows)
+FEATURE_VERSION = 6  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
+# linears of a ragged graph stop at the batch's rows (no bucket rows); 6: graph_spare_rows
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
@@ -106,6 +117,12 @@ FEATURE_NAMES = (
     # directly (they were most of the held-out mistakes without these: H100, 2026-11-22)
     "log2_padded_bucket_rows", "log2_ragged_bucket_rows", "bucket_rows_ratio", "log2_sum_sq",
     "log2_padded_bucket_attention",
+    # the spare rows cuBLAS computes in the ragged graph's bucket, over the real rows: the work the eager
+    # arm saves against the graph, which decides between them on large batches (the trees cannot take
+    # the difference of log2_rows and log2_ragged_bucket_rows themselves). Refit on CPU from the H100
+    # calibration of 2026-11-23, held out: choosing among every arm, accuracy 74.7% -> 77.8% and total time
+    # 1.0160x -> 1.0117x the oracle's; among the planner's arms (not Arm.mask_only), 93.7% -> 93.9%
+    "graph_spare_rows",
 )  # fmt: skip
 
 
@@ -127,6 +144,7 @@ def features(sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.nda
     buckets = [
         math.log2(max(padded_rows, 1)), math.log2(max(ragged_rows, 1)), padded_rows / max(ragged_rows, 1),
         math.log2(max(stats.sum_sq, 1)), math.log2(max(padded_rows * padded_bucket(stats.batch, stats.max_len)[1], 1)),
+        ragged_rows / max(stats.total, 1) - 1.0,
     ]  # fmt: skip
     for i, arm in enumerate(arms):
         w = work(sig, stats, arm)

@@ -394,9 +394,11 @@ class _Runtime:
         """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
         mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?"""
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
-        needs_lengths = [v for k, v in predicted.items() if k not in unread]
-        if mask_arm is not None and mask_arm.label in predicted:
-            unread[mask_arm.label] = predicted[mask_arm.label]
+        mask_label = mask_arm.label if mask_arm is not None else None
+        # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
+        needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
+        if mask_label in predicted:
+            unread[mask_label] = predicted[mask_label]
         if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
             self.mask_shapes.clear()
         entry = self.mask_shapes.get((B, L)) or self.mask_shapes.setdefault((B, L), _shape_entry())

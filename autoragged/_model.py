@@ -16,11 +16,14 @@ label. Both are exported to JSON arrays (feature, threshold, children, leaf valu
 evaluated with numpy, all trees and arms at once. scikit-learn is imported only to fit.
 
 Evaluation (`fit_cost_model`): leave one length-distribution family out at a time; on each held-out
-batch the model's argmin over the arms measured on that batch is compared with the measured best:
+batch the model's argmin over the arms measured on that batch that the planner chooses from (all but the
+`Arm.mask_only` one, predicted only for mask-only verdicts) is compared with the measured best of them:
 decision accuracy (the choice is the best arm or within 1% of it: a tie at noise level), the same
 accuracy counting as right a choice whose measured p10 is within the best arm's p90 (the label itself
 is within its measurement noise), mean and p95 regret (chosen / best - 1) and MAPE of the latency
-predictions. A held-out batch's reference latency is predicted too, never read from its measurements.
+predictions; and, against the best of every arm measured on the batch (the mask-only one too), the mean
+regret and the total time of the choices over the oracle's. A held-out batch's reference latency is
+predicted too, never read from its measurements.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignatur
 from ._buckets import LADDER_VERSION
 from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features
 
-__all__ = ["CompiledModel", "Forest", "fit_cost_model", "evaluate_choices", "held_out_predictions", "KIND", "TIE"]
+__all__ = [
+    "CompiledModel", "Forest", "fit_cost_model", "evaluate_choices", "against_every_arm", "held_out_predictions",
+    "KIND", "TIE",
+]  # fmt: skip
 
 KIND = "gbt-arrays"
 TIE = 0.01  # two arms within 1% of each other are a tie at the noise level of our timings
@@ -237,13 +243,14 @@ class _Rows:
     group: list[str]  # the batch a row was measured on ("" for traffic samples)
     family: list[str]
     arm: list[str]
+    choosable: np.ndarray  # bool: an arm the planner chooses from (not `Arm.mask_only`)
     refs: dict[str, np.ndarray]  # per reference name: feature rows of that reference arm on each row's batch
     is_ref: dict[str, np.ndarray]  # per reference name: whether the row was a measurement of it
 
 
 def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
     prior = AnalyticPrior(device)
-    X, y, p, ms, p10, p90, reps, group, family, arm = [], [], [], [], [], [], [], [], [], []
+    X, y, p, ms, p10, p90, reps, group, family, arm, choosable = [], [], [], [], [], [], [], [], [], [], []
     refs: dict[str, list] = {r: [] for r in REFERENCES}
     is_ref: dict[str, list] = {r: [] for r in REFERENCES}
     for m in measurements:
@@ -264,12 +271,13 @@ def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
         group.append(str(m.extra.get("batch_id", "")))
         family.append(m.distribution or "traffic")
         arm.append(a.label)
+        choosable.append(not a.mask_only)
         for r in REFERENCES:
             refs[r].append(features(sig, m.stats, [reference_arm(r, sig, m.stats)])[0])
             is_ref[r].append(is_reference(r, a))
     arrays = [np.asarray(v) for v in (X, y, p, ms, p10, p90, reps)]
     width = len(FEATURE_NAMES)
-    return _Rows(*arrays, group, family, arm,
+    return _Rows(*arrays, group, family, arm, np.asarray(choosable, dtype=bool),
                  {r: np.asarray(v).reshape(-1, width) for r, v in refs.items()},
                  {r: np.asarray(v, dtype=bool) for r, v in is_ref.items()})  # fmt: skip
 
@@ -411,6 +419,31 @@ def evaluate_choices(
     }
 
 
+def against_every_arm(predicted: np.ndarray, rows: _Rows, chosen_from: np.ndarray) -> dict[str, float]:
+    """The choices among the rows `chosen_from` (each batch's argmin of `predicted` there) against the best
+    of every measured arm of the batch: mean regret and total time over the oracle's."""
+    best: dict[str, float] = {}
+    arms: dict[str, int] = defaultdict(int)  # batch -> arms it can choose from
+    choice: dict[str, tuple[float, float]] = {}  # batch -> (predicted ms, measured ms) of its choice so far
+    for i, g in enumerate(rows.group):
+        if not g or np.isnan(predicted[i]):
+            continue
+        best[g] = min(best.get(g, math.inf), rows.ms[i])
+        if chosen_from[i]:
+            arms[g] += 1
+            if predicted[i] < choice.get(g, (math.inf,))[0]:
+                choice[g] = (predicted[i], rows.ms[i])
+    batches = [g for g in choice if arms[g] >= 2]  # as evaluate_choices: a batch of one arm is no decision
+    if not batches:
+        return {"mean_regret_all_arms": float("nan"), "time_vs_oracle_all_arms": float("nan")}
+    chosen = np.array([choice[g][1] for g in batches])
+    oracle = np.array([best[g] for g in batches])
+    return {
+        "mean_regret_all_arms": float(np.mean(chosen / oracle - 1.0)),
+        "time_vs_oracle_all_arms": float(chosen.sum() / oracle.sum()),
+    }
+
+
 def _shortlist(measurements: Sequence[Measurement], top: int = 3) -> dict[str, list[dict]]:
     """Per signature and max_len bucket (powers of two), the ragged configs worth predicting: the default
     config first, then configs measured head to head against it on the same batches that beat it on most
@@ -479,7 +512,7 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
     families = sorted({f for f, g in zip(rows.family, rows.group) if g})
     reference = _pick_reference(rows)
     predicted, holdout = held_out_predictions(rows, device, reference, seed)
-    evaluated = ~np.isnan(predicted)
+    evaluated = ~np.isnan(predicted) & rows.choosable  # the planner's decision: among the arms it may choose
     metrics = evaluate_choices(
         predicted[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e],
         rows.p10[evaluated], rows.p90[evaluated],
@@ -487,6 +520,7 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
     prior_metrics = evaluate_choices(
         rows.prior[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
     )
+    metrics.update(against_every_arm(predicted, rows, rows.choosable))
     metrics.update(
         holdout=holdout, families=families, rows=int(len(rows.y)), reference=reference,
         prior_accuracy=prior_metrics["accuracy"], prior_mean_regret=prior_metrics["mean_regret"],

@@ -617,6 +617,7 @@ def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
         ("fit rows", "-" if c.rows is None else str(c.rows)),
     ]
     for name, label, digits in (("accuracy_within_noise", "accuracy, ties within measurement noise (held out)", 1),
+                                ("mean_regret_all_arms", "mean regret against every arm, mask-only too (held out)", 2),
                                 ("prior_accuracy", "analytic prior's accuracy (held out)", 1),
                                 ("prior_mean_regret", "analytic prior's mean regret (held out)", 2)):  # fmt: skip
         if _metric(c.metrics, name) is not None:

@@ -1,9 +1,14 @@
 """Where a calibration's held-out misses come from, and what one arm family is worth (CPU; reads a tuning DB).
 
-Refits the cost model exactly as `python -m autoragged.tune` evaluates it (leave one length family out),
-once on every measurement and once without an arm family (default: the ragged graph with Triton linears),
-and prints for each:
-  - strict / tie-aware accuracy and mean regret against that fit's own oracle (what tune prints);
+Refits the cost model exactly as `python -m autoragged.tune` evaluates it (leave one length family out)
+and prints three fits:
+  - "every arm chosen": on every measurement, choosing among every arm (the planner before it left the
+    `Arm.mask_only` arm to mask-only batches);
+  - "planner": the same fit, choosing among the arms the planner runs with the lengths known (what tune
+    prints);
+  - "without X": fit without an arm family (default: the ragged graph with Triton linears);
+and for each:
+  - strict / tie-aware accuracy and mean regret against the oracle of the arms it chose from;
   - mean regret and total time of its choices against the oracle over *all* measured arms (what a user
     would get, the arm left out being unavailable to that fit);
   - the most common (chosen arm, measured best arm) pairs among the misses.
@@ -38,10 +43,12 @@ def family_of(label: str) -> str:
     return kind
 
 
-def analyse(measurements, device, oracle: dict[str, float]) -> dict:
+def analyse(measurements, device, oracle: dict[str, float], every_arm: bool = False) -> dict:
+    """The held-out choices of a fit on `measurements`: among every arm if `every_arm`, else among the
+    arms the planner chooses from."""
     rows = _rows(measurements, device)
     predicted, _ = held_out_predictions(rows, device, _pick_reference(rows))
-    ok = ~np.isnan(predicted)
+    ok = ~np.isnan(predicted) & (True if every_arm else rows.choosable)
     metrics = evaluate_choices(
         predicted[ok], rows.ms[ok], [g for g, e in zip(rows.group, ok) if e], rows.p10[ok], rows.p90[ok]
     )
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(kept) == len(measurements):
         raise SystemExit(f"no measurement of arm family {args.without!r} in {args.db}")
     results = {
-        "all arms": analyse(measurements, device, oracle),
+        "every arm chosen": analyse(measurements, device, oracle, every_arm=True),
+        "planner": analyse(measurements, device, oracle),
         f"without {args.without}": analyse(kept, device, oracle),
     }
     print(f"# calibration ablation: {device.key}, {args.db}\n")

@@ -9,6 +9,7 @@ import torch
 
 import autoragged
 from autoragged import _model, tune
+from autoragged._buckets import LADDER_VERSION
 from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm
 from autoragged._device import device_key
 from autoragged._dispatch import signature_of
@@ -283,6 +284,98 @@ def test_default_ragged_arm_is_what_the_planner_offers_untuned():
     planner = Planner(sig, _model.AnalyticPrior(device_key("cpu")))
     stats = BatchStats.from_lengths((30, 4))
     assert planner.candidates(stats) == [Arm("ragged", default_ragged_config(32, 30))]
+
+
+def test_planner_predicts_the_mask_only_arm_but_never_runs_it_on_known_lengths():
+    """The ragged graph with Triton linears is predicted (the mask-only verdicts read its prediction from the
+    plan) but, the lengths known, the planner takes the best of the other arms and never explores it."""
+    from autoragged._costmodel import PADDED_GRAPH
+    from autoragged._planner import Planner, graph_config
+
+    sig = signature_of(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True), 1))
+    mask_arm, cublas = (Arm("ragged_graph", graph_config(32, 30, b)) for b in ("triton", "cublas"))
+    assert mask_arm.mask_only and not cublas.mask_only and not PADDED.mask_only
+    assert not Arm("ragged", default_ragged_config(32, 30).replace(backend="triton")).mask_only  # eager Triton
+
+    class Model:
+        name = "fake"
+
+        def predict_ms(self, sig, stats, arms):
+            ms = {mask_arm: 0.5, cublas: 0.8, PADDED_GRAPH: 0.7}
+            return np.array([ms.get(a, 2.0) for a in arms])
+
+    planner = Planner(
+        sig, Model(), lambda s: [Arm("ragged", default_ragged_config(32, 30)), cublas, mask_arm, PADDED_GRAPH]
+    )
+    stats = BatchStats.from_lengths((30, 4))
+    plan = planner.plan(stats)
+    assert plan.arm == PADDED_GRAPH and plan.predicted_ms[mask_arm.label] == 0.5
+    explored = set()
+    for _ in range(5):  # every arm the planner may run gets explored and measured; never the mask arm
+        alt = planner.explore(stats, plan.arm)
+        if alt is not None:
+            explored.add(alt)
+            for _ in range(planner.min_samples):
+                planner.observe(stats, alt, 1.0)
+    assert mask_arm not in explored and cublas in explored and PADDED in explored
+    for _ in range(planner.min_samples):  # even measured fastest, it is not the known-lengths choice
+        planner.observe(stats, mask_arm, 0.1)
+    assert planner.plan(stats).arm == PADDED_GRAPH
+
+
+def test_one_slow_sample_does_not_overturn_a_measured_choice():
+    """Measured latencies override predictions by their median, once an arm has min_samples of them: one call
+    delayed on the host does not rank the arm below a worse one; the recent samples follow drift."""
+    from autoragged._costmodel import PADDED_GRAPH
+    from autoragged._planner import Planner, graph_config
+
+    sig = signature_of(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True), 1))
+    graph = Arm("ragged_graph", graph_config(32, 30, "cublas"))
+
+    class Model:
+        name = "fake"
+
+        def predict_ms(self, sig, stats, arms):
+            return np.array([0.2 if a == graph else 1.0 for a in arms])
+
+    planner = Planner(sig, Model(), lambda s: [graph, PADDED_GRAPH])
+    stats = BatchStats.from_lengths((30, 4))
+    assert planner.plan(stats).arm == graph
+    for ms in (0.30, 0.30):
+        planner.observe(stats, graph, ms)
+    assert planner.plan(stats).reason == "cost model (fake)"  # too few samples to override anything yet
+    for ms in (0.45, 0.45, 0.45):
+        planner.observe(stats, PADDED_GRAPH, ms)
+    planner.observe(stats, graph, 0.90)  # one call 0.6 ms late: a mean (0.5) would now pick the padded graph
+    plan = planner.plan(stats)
+    assert plan.arm == graph and plan.predicted_ms[graph.label] == pytest.approx(0.30)
+    assert plan.reason == "cost model (fake) and 2 of 3 arms measured on this device"
+    for _ in range(8):  # the graph really got slower: the window's median follows
+        planner.observe(stats, graph, 0.60)
+    assert planner.plan(stats).arm == PADDED_GRAPH
+
+
+def test_choices_against_every_arm_count_the_arms_not_chosen_from():
+    """Regret against the best of every measured arm, the choice made among the choosable ones only."""
+    rows = _model._rows(
+        [
+            Measurement("d", "encoder:2x32/2h/ff64:relu:post:float32", arm, cfg, BatchStats.from_lengths((4,)),
+                        ms, ms, ms, 3, 0.0, extra={"batch_id": g, "ladder": LADDER_VERSION})
+            for g, arm, cfg, ms in [
+                ("a", "padded", None, 2.0), ("a", "ragged", None, 1.5),  # chooses ragged (1.5), best 1.0
+                ("a", "ragged_graph", default_ragged_config(16, 4).replace(backend="triton").to_dict(), 1.0),
+                ("b", "padded", None, 1.0), ("b", "ragged", None, 3.0),  # chooses padded, the best
+            ]
+        ],
+        device_key("cpu"),
+    )  # fmt: skip
+    assert rows.choosable.tolist() == [True, True, False, True, True]
+    predicted = np.array([2.0, 1.0, 0.5, 1.0, 2.0])
+    m = _model.against_every_arm(predicted, rows, rows.choosable)
+    assert m["mean_regret_all_arms"] == pytest.approx((0.5 + 0.0) / 2)
+    assert m["time_vs_oracle_all_arms"] == pytest.approx((1.5 + 1.0) / (1.0 + 1.0))
+    chosen = _model.evaluate_choices(predicted[rows.choosable], rows.ms[rows.choosable], ["a", "a", "b", "b"])
+    assert chosen["accuracy"] == 1.0  # among the arms the planner chooses from, both picks were the best
 
 
 # -- timing near ties ----------------------------------------------------------------------------
