@@ -6,8 +6,9 @@ asks the cost model (the learned one for this device if the tuning database has 
 analytic prior) for every candidate arm and takes the argmin over the arms that run with the lengths
 known: every arm but the `Arm.mask_only` one, whose prediction the plan still carries for the
 dispatcher's mask-only verdicts. Latencies measured on sampled batches (`observe`, their median) override
-the model's predictions for their bucket, so a wrong prior corrects itself; `explore` names an arm that has
-too few measurements in a bucket, for a sampled batch to try.
+the model's predictions for their bucket, and scale those of the arms not measured there yet, so a wrong
+prior corrects itself; `explore` names an arm that has too few measurements in a bucket, for a sampled
+batch to try.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ from ._costmodel import PADDED, Arm
 __all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BACKENDS", "bucket_key"]
 
 _CACHE_SIZE = 4096
-# A bucket's measured latency of an arm is the median of its last _WINDOW samples, once it has min_samples.
-# Timings of synchronised calls carry the call's host work, and host delays only add time: on the H100 host
-# 64 calls of one CoLA B=32 ragged graph took 0.28-0.43 ms (p10-p90, 2026-11-23). With a running mean of
-# two samples (the rule before), a slow one can rank an arm below a worse one, and the planner then stops
-# sampling the arm it no longer chooses: in that run one CoLA B=32 bucket settled on the padded graph (62 of
-# 64 calls, 0.48 ms a batch against 0.31-0.35 for the same model without sampling). A median of three
-# needs two slow samples; the window follows drift (clocks, other tenants).
+# A bucket's measured latency of an arm is the median of its last _WINDOW samples, once it has min_samples:
+# a sampled call can be far off its arm's latency. On the H100 host (2026-11-23) the padded arm's first two
+# samples in a bucket were 235 ms (the first call of a shape) and 6.7 ms, and a ragged graph's five ranged
+# over 0.40-0.55 ms (timings of synchronised calls carry the host's delays, which only add time). The rule
+# before, a running mean from two samples on, took such a pair at face value. The window follows drift.
 _WINDOW = 8
 
 
@@ -109,21 +108,29 @@ class Planner:
         if hit is not None:
             return hit
         arms = [PADDED, *self.candidates(stats)]
-        predicted = self.model.predict_ms(self.sig, stats, arms)
+        predicted = np.array(self.model.predict_ms(self.sig, stats, arms), dtype=float)
         reason = f"cost model ({self.model.name})"
         measured = self._measured.get(key)
         if measured:
-            used = 0
+            ratios, unmeasured = [], []
             for i, arm in enumerate(arms):
                 m = measured.get(arm.label)
                 if m is not None and len(m) >= self.min_samples:
+                    ratios.append(statistics.median(m) / max(predicted[i], 1e-9))
                     predicted[i] = statistics.median(m)
-                    used += 1
+                else:
+                    unmeasured.append(i)
             choosable = sum(not a.mask_only for a in arms)
+            used = len(ratios)
             if used >= choosable:
                 reason = "measured on this device"
-            elif used:  # predicted_ms then mixes measured medians with predictions: say so
-                reason += f" and {used} of {choosable} arms measured on this device"
+            elif used:
+                # The arms not measured yet keep the model's ranking at the level the measured ones set: a
+                # model off by a factor for this bucket (the analytic prior leaves out most host time) would
+                # otherwise make every arm it has not seen look faster than the ones it has.
+                scale = statistics.median(ratios)
+                predicted[unmeasured] *= scale
+                reason += f" and {used} of {choosable} arms measured on this device (the rest scaled by {scale:.2f})"
         best = int(np.argmin([np.inf if a.mask_only else p for a, p in zip(arms, predicted)]))
         plan = Plan(arms[best], {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}, reason)
         self._arms[key] = arms
