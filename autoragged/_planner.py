@@ -31,10 +31,11 @@ __all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BA
 
 _CACHE_SIZE = 4096
 # A bucket's measured latency of an arm is the median of its last _WINDOW samples, once it has min_samples:
-# a sampled call can be far off its arm's latency. On the H100 host (2026-11-23) the padded arm's first two
-# samples in a bucket were 235 ms (the first call of a shape) and 6.7 ms, and a ragged graph's five ranged
-# over 0.40-0.55 ms (timings of synchronised calls carry the host's delays, which only add time). The rule
-# before, a running mean from two samples on, took such a pair at face value. The window follows drift.
+# a sampled call can be far off its arm's latency. On the H100 host (benchmarks/sampling.py, 2026-11-23)
+# the padded arm's first two samples in a bucket were 262 ms (the first call of a shape) and 5.5 ms, and
+# one ragged graph's five ranged over 0.41-0.98 ms (timings of synchronised calls carry the host's delays,
+# which only add time). The rule before, a running mean from two samples on, took such a pair at face
+# value. The window follows drift (clocks, other tenants).
 _WINDOW = 8
 
 
