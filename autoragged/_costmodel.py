@@ -60,10 +60,11 @@ class Arm:
         """The ragged graph with Triton linears: predicted on every batch, but run only on mask-only batches
         whose lengths are not read (the graph fed the mask, `_Runtime._judge_shape`). Where the lengths are
         known the planner picks among the other arms. There it and the cuBLAS graph are within each other's
-        noise on most batches: held out on the H100 calibration of 2026-11-23, choosing it too changed the
-        total time by 0.01% (mean regret per batch 1.61% against 2.03% without it) while 84 of its 110
-        mistakes were one graph taken for the other (benchmarks/calibration_ablation.py); and a bucket
-        that ran both would hold two graphs of the module's `graph_cap`."""
+        noise on most batches: held out on two H100 calibrations of 2026-11-23, choosing it too changed the
+        total time by 0.01% (mean regret per batch 1.61% and 1.79%, against 2.03% and 2.37% without it)
+        while 84 of 110 and 95 of 118 mistakes were one graph taken for the other
+        (benchmarks/calibration_ablation.py); and a bucket that ran both would hold two graphs of the
+        module's `graph_cap`."""
         return self.kind == "ragged_graph" and self.config is not None and self.config.backend == "triton"
 
 

@@ -419,16 +419,20 @@ def evaluate_choices(
     }
 
 
-def against_every_arm(predicted: np.ndarray, rows: _Rows, chosen_from: np.ndarray) -> dict[str, float]:
+def against_every_arm(
+    predicted: np.ndarray, rows: _Rows, chosen_from: np.ndarray, oracle: dict[str, float] | None = None
+) -> dict[str, float]:
     """The choices among the rows `chosen_from` (each batch's argmin of `predicted` there) against the best
-    of every measured arm of the batch: mean regret and total time over the oracle's."""
-    best: dict[str, float] = {}
+    of every measured arm of the batch (or `oracle`, batch -> best ms, where arms outside `rows` count too):
+    mean regret and total time over the oracle's."""
+    best: dict[str, float] = dict(oracle) if oracle is not None else {}
     arms: dict[str, int] = defaultdict(int)  # batch -> arms it can choose from
     choice: dict[str, tuple[float, float]] = {}  # batch -> (predicted ms, measured ms) of its choice so far
     for i, g in enumerate(rows.group):
         if not g or np.isnan(predicted[i]):
             continue
-        best[g] = min(best.get(g, math.inf), rows.ms[i])
+        if oracle is None:
+            best[g] = min(best.get(g, math.inf), rows.ms[i])
         if chosen_from[i]:
             arms[g] += 1
             if predicted[i] < choice.get(g, (math.inf,))[0]:

@@ -30,7 +30,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from autoragged._model import TIE, _pick_reference, _rows, arm_of, evaluate_choices, held_out_predictions  # noqa: E402
+from autoragged._model import (  # noqa: E402
+    TIE,
+    _pick_reference,
+    _rows,
+    against_every_arm,
+    arm_of,
+    evaluate_choices,
+    held_out_predictions,
+)
 from benchmarks._common import table, write_json  # noqa: E402
 from tuning_db import TuningDB  # noqa: E402
 
@@ -57,21 +65,18 @@ def analyse(measurements, device, oracle: dict[str, float], every_arm: bool = Fa
         if g and ok[i]:
             by_batch[g].append(i)
     misses: collections.Counter = collections.Counter()
-    chosen_ms, oracle_ms = [], []
-    for g, idx in by_batch.items():
+    for idx in by_batch.values():
         if len(idx) < 2:
             continue
         idx = np.asarray(idx)
         b, c = idx[np.argmin(rows.ms[idx])], idx[np.argmin(predicted[idx])]
         if rows.ms[c] > rows.ms[b] * (1 + TIE):
             misses[(family_of(rows.arm[c]), family_of(rows.arm[b]))] += 1
-        chosen_ms.append(rows.ms[c])
-        oracle_ms.append(oracle[g])
-    chosen, best = np.asarray(chosen_ms), np.asarray(oracle_ms)
+    full = against_every_arm(np.where(ok, predicted, np.nan), rows, ok, oracle)
     return {
         **{k: metrics[k] for k in ("batches", "accuracy", "accuracy_within_noise", "mean_regret")},
-        "regret_vs_full_oracle": float(np.mean(chosen / best - 1)),
-        "time_vs_full_oracle": float(chosen.sum() / best.sum()),
+        "regret_vs_full_oracle": full["mean_regret_all_arms"],
+        "time_vs_full_oracle": full["time_vs_oracle_all_arms"],
         "misses": [{"chosen": c, "best": b, "batches": n} for (c, b), n in misses.most_common()],
     }
 
