@@ -117,8 +117,9 @@ class Planner:
             for i, arm in enumerate(arms):
                 m = measured.get(arm.label)
                 if m is not None and len(m) >= self.min_samples:
-                    ratios.append(statistics.median(m) / max(predicted[i], 1e-9))
-                    predicted[i] = statistics.median(m)
+                    ms = statistics.median(m)
+                    ratios.append(ms / max(predicted[i], 1e-9))
+                    predicted[i] = ms
                 else:
                     unmeasured.append(i)
             choosable = sum(not a.mask_only for a in arms)
