@@ -15,7 +15,8 @@ __all__ = ["ladder", "ragged_bucket", "padded_bucket", "LADDER_VERSION"]
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
 # other work, and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
-LADDER_VERSION = 2
+# 3: the cuBLAS ragged graph runs its rung's rows or one more, whichever replays faster (_graphs._ROW_CHOICE).
+LADDER_VERSION = 3
 
 
 def ladder(n: int, *, floor: int, multiple: int, steps: int = 4) -> int:
@@ -30,7 +31,8 @@ def ragged_bucket(rows: int, batch: int, max_len: int) -> tuple[int, int, int]:
     """(rows, components, max_len) of the ragged graph that runs a batch of `rows` values rows (alignment
     included), `batch` components and longest component `max_len`; spare components have length 0.
     Rows climb 8 rungs per octave (at most ~9% spare rows): with 4, the spare rows of big batches cost
-    more than the replay saved (H100, 2026-11-22: RACE B=64 and SQuAD B=128, +7-16%)."""
+    more than the replay saved (H100, 2026-11-22: RACE B=64 and SQuAD B=128, +7-16%). A graph with cuBLAS
+    linears may run one row more than the rung (`_graphs._ROW_CHOICE`)."""
     return ladder(rows, floor=256, multiple=128, steps=8), next_pow2(max(batch, 1)), next_pow2(max(max_len, 1))
 
 

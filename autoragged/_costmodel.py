@@ -107,8 +107,9 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 6  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
-# linears of a ragged graph stop at the batch's rows (no bucket rows); 6: graph_spare_rows
+FEATURE_VERSION = 7  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
+# linears of a ragged graph stop at the batch's rows (no bucket rows); 6: graph_spare_rows; 7: LADDER_VERSION 3
+# (a model fit on the graph latencies of ladder 2 would predict the cuBLAS graph up to 10% slow on big batches)
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",

@@ -12,7 +12,8 @@ ragged_graph: the layout, pack, the encoder layers on static values of `rows` bu
     Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit.
     The bucket's spare rows: Triton linears and norms (KernelConfig.backend "triton") stop at the rows
     the batch fills, which the layout holds on the device (`Layout.live`); cuBLAS computes them too (it
-    needs its row count on the host), and nothing reads them.
+    needs its row count on the host), and nothing reads them. A graph with cuBLAS linears holds its rung's
+    rows or one more, whichever replayed faster when the bucket was first captured (`_ROW_CHOICE`).
     io="mask": a mask-only batch whose lengths are never read (the shape was judged to win without them):
     the graph counts each row's real tokens from the mask, builds the layout from those counts and packs
     the tokens, in any padding pattern, back to back (kernels/masked_pack.py), in values with room for
@@ -330,6 +331,35 @@ class _PaddedGraph:
         return (self.output[:, :L] if self.batch_first else self.output[:L]).clone()
 
 
+# The cuBLAS ragged graph's rows: its bucket's rung, or one row more, whichever replays faster. cuBLAS picks a
+# GEMM kernel per problem shape, and on the H100 (CUDA 13.0 cuBLAS, 2026-11-23) it picked slower ones on many
+# rungs (multiples of 128 rows) than on one row more: the graph of the 24-layer d_model-1024 encoder on a batch
+# of 8,479 tokens replayed in 12.7 ms at its rung of 8,960 rows, 11.5 ms at 8,961 and 11.3 ms at 8,479. Over 18
+# buckets of three encoders the extra row took 0.90x-1.15x the time (geomean 0.98x), slower only under 1K rows.
+# No fixed rule holds across shapes (nor, likely, devices and cuBLAS versions), so both are captured and
+# timed, once per (rows, d_model, ff, layers, dtype, device) in a process: replays with no batch loaded, which
+# compute every linear on every row and skip the rest (no component). The extra row must win by _ROW_MARGIN.
+_ROW_CHOICE: dict[tuple, int] = {}
+_ROW_MARGIN = 0.01
+
+
+def replay_ms(graphs: list, rounds: int = 2, reps: int = 3) -> list[float]:
+    """GPU ms of `reps` back-to-back replays of each graph (`.graph`), the least of `rounds` interleaved rounds
+    after one warm replay each; the graphs must hold no batch (their args all zero) or a live one."""
+    for g in graphs:
+        g.graph.replay()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+              for _ in range(rounds)]  # fmt: skip
+    for round_events in events:
+        for g, (start, end) in zip(graphs, round_events):
+            start.record()
+            for _ in range(reps):
+                g.graph.replay()
+            end.record()
+    events[-1][-1][1].synchronize()
+    return [min(r[i][0].elapsed_time(r[i][1]) for r in events) / reps for i in range(len(graphs))]
+
+
 def _warm_and_capture(holder, run, device, pool) -> None:
     """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture.
 
@@ -421,7 +451,28 @@ class GraphCache:
     def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):
         self._check_params(module)
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
-        return self._get(key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool))
+        return self._get(key, lambda: self._ragged_rows(runtime, module, config, causal, key[1:], dtype, device))
+
+    def _ragged_rows(self, runtime, module, config, causal, key, dtype, device) -> _RaggedGraph:
+        """The ragged graph of bucket `key` (rows, batch, max_len, ...); with cuBLAS linears, of the bucket's
+        rows or one more, whichever replays faster (see _ROW_CHOICE)."""
+        make = lambda rows: _RaggedGraph(runtime, module, config, causal, (rows, *key[1:]), dtype, device, self.pool)  # noqa: E731
+        if config.backend != "cublas":
+            return make(key[0])
+        first = runtime.layers[0]
+        memo = (key[0], first.self_attn.embed_dim, first.linear1.out_features, len(runtime.layers), dtype, device)
+        rows = _ROW_CHOICE.get(memo)
+        if rows is not None:
+            return make(rows)
+        graphs = [make(key[0]), make(key[0] + 1)]
+        ms = replay_ms(graphs)
+        best = graphs[1] if ms[1] < ms[0] * (1 - _ROW_MARGIN) else graphs[0]
+        _ROW_CHOICE[memo] = best.rows
+        if len(_ROW_CHOICE) > 4096:
+            _ROW_CHOICE.pop(next(iter(_ROW_CHOICE)))
+        log.debug("autoragged: ragged graph of %d rows replayed in %.3f ms, of %d in %.3f ms: %d rows",
+                  key[0], ms[0], key[0] + 1, ms[1], best.rows)  # fmt: skip
+        return best
 
     def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None):
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for

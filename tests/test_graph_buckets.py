@@ -175,3 +175,40 @@ def test_a_layout_from_a_mask_is_packed():
     meta = torch.zeros(meta_size(2, 4), dtype=torch.int32)
     with pytest.raises(ValueError, match="back to back"):
         graph_layout.layout(args, meta, 2, 4, 16, 8, from_mask=True)
+
+
+class _FakeGraph:
+    def __init__(self, runtime, module, config, causal, key, dtype, device, pool):
+        self.rows, self.config = key[0], config
+
+
+@pytest.mark.parametrize(
+    ("backend", "times", "rows", "made"),
+    [
+        ("triton", None, 1024, 1),  # Triton linears stop at the batch's rows: nothing to choose
+        ("cublas", [2.0, 1.8], 1025, 2),  # one row more replays faster: kept
+        ("cublas", [2.0, 1.99], 1024, 2),  # within _ROW_MARGIN: the rung
+        ("cublas", [1.8, 2.0], 1024, 2),
+    ],
+)
+def test_a_cublas_ragged_graph_keeps_the_faster_of_its_rung_and_one_row_more(monkeypatch, backend, times, rows, made):
+    from torch import nn
+
+    from autoragged import _graphs
+    from autoragged._planner import graph_config
+
+    made_rows, timed = [], []
+    monkeypatch.setattr(_graphs, "_RaggedGraph", lambda *a: made_rows.append(a[4][0]) or _FakeGraph(*a))
+    monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: timed.append([g.rows for g in graphs]) or times)
+    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
+    layer = nn.TransformerEncoderLayer(64, 4, 128)
+    runtime = type("R", (), {"layers": [layer]})()
+    cache = _graphs.GraphCache()
+    key = (1024, 8, 64, graph_config(16, 64, backend), False, "padded")
+    graph = cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda")
+    assert graph.rows == rows and len(made_rows) == made
+    assert timed == ([[1024, 1025]] if backend == "cublas" else [])
+    # the choice is remembered: the same bucket captured again (after an eviction, say) is not timed again
+    made_rows.clear()
+    assert cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == rows
+    assert made_rows == [rows] and len(timed) == (1 if backend == "cublas" else 0)

@@ -87,6 +87,33 @@ def test_replay_equals_eager_across_buckets(norm_first, batch_first):
     assert len(enc._autoragged.graphs.graphs) >= 4
 
 
+@pytest.mark.parametrize("extra_row", [False, True])
+def test_a_cublas_graph_of_either_row_count_replays_like_eager(monkeypatch, extra_row):
+    # the row count is chosen by timing both graphs (_graphs._ROW_CHOICE); force each outcome
+    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
+    timed = []
+
+    def replay_ms(graphs):
+        timed.append(_graphs.replay_ms.__wrapped__(graphs))
+        return [1.0, 0.5] if extra_row else [0.5, 1.0]
+
+    replay_ms.__wrapped__ = _graphs.replay_ms
+    monkeypatch.setattr(_graphs, "replay_ms", replay_ms)
+    enc = autoragged.wrap(encoder(), db=False)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    for i, lengths in enumerate(BATCHES * 2):
+        eager, _ = run(enc, Arm("ragged", cfg), lengths, seed=i)
+        graph, note = run(enc, Arm("ragged_graph", cfg), lengths, seed=i)
+        assert note is None, note
+        torch.testing.assert_close(real(graph, lengths), real(eager, lengths), rtol=2e-3, atol=2e-3)
+    graphs = enc._autoragged.graphs.graphs
+    # timed once per row count (the memo is keyed by rows and dims, not by the bucket's batch or length)
+    assert len(graphs) >= 3 and len(timed) == len({key[1] for key in graphs}) >= 2
+    assert all(0 < t < 1e3 for ms in timed for t in ms)
+    assert all(g.rows == key[1] + extra_row for key, g in graphs.items())
+
+
 def test_bucket_is_captured_when_it_recurs_and_eviction_keeps_the_cap():
     enc = autoragged.wrap(encoder(), db=False, graph_cap=2)
     cfg = default_ragged_config(D // H, 128)
