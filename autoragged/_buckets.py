@@ -7,6 +7,7 @@ steps per octave for the ragged rows and the padded length) so a handful of grap
 
 from __future__ import annotations
 
+import functools
 import math
 
 from kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
@@ -27,6 +28,7 @@ def ladder(n: int, *, floor: int, multiple: int, steps: int = 4) -> int:
     return max(floor, -(-math.ceil(rung) // multiple) * multiple)
 
 
+@functools.lru_cache(maxsize=4096)  # on every graph call: the cache hit costs a fraction of the arithmetic
 def ragged_bucket(rows: int, batch: int, max_len: int) -> tuple[int, int, int]:
     """(rows, components, max_len) of the ragged graph that runs a batch of `rows` values rows (alignment
     included), `batch` components and longest component `max_len`; spare components have length 0.
@@ -36,6 +38,7 @@ def ragged_bucket(rows: int, batch: int, max_len: int) -> tuple[int, int, int]:
     return ladder(rows, floor=256, multiple=128, steps=8), next_pow2(max(batch, 1)), next_pow2(max(max_len, 1))
 
 
+@functools.lru_cache(maxsize=4096)
 def padded_bucket(batch: int, seq_len: int) -> tuple[int, int]:
     """(batch, padded length) of the padded graph: the batch as it is, the length on a ladder."""
     return batch, ladder(seq_len, floor=16, multiple=16, steps=8)

@@ -348,12 +348,14 @@ class _Runtime:
             # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
             # is captured for that alignment
             arm = Arm(arm.kind, arm.config.replace(align=src.align))
-        record = _Record(stats, arm, plan.predicted_ms, why, device_key(x.device), self.sig_key)
         if sampled:
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         out, note = self._execute(module, arm, src, x, ragged_in, attn_mask, kpm, is_causal, lens, L, stats)
+        # the record is made once the arm's work is queued: a launch-bound batch's latency is the host time
+        # before its last launch, and bookkeeping after it overlaps the GPU's work
+        record = _Record(stats, arm, plan.predicted_ms, why, device_key(x.device), self.sig_key)
         if sampled and self.graphs is not None and self.graphs.captures != captures:
             sampled = False  # this call captured a graph: its time is not the arm's latency
         if note:  # a graph arm ran eagerly this time: record what really ran, and why
@@ -515,8 +517,9 @@ class _Runtime:
 
     def _dynamic_reason(self, module, x, attn_mask, kpm, is_causal) -> str | None:
         p = self._param()
-        if x.dtype != p.dtype or x.device != p.device:
-            return f"input {x.dtype} on {x.device} differs from the parameters ({p.dtype} on {p.device})"
+        device = x.device
+        if x.dtype != p.dtype or device != p.device:
+            return f"input {x.dtype} on {device} differs from the parameters ({p.dtype} on {p.device})"
         if attn_mask is not None and not is_causal:
             return "attn_mask other than key padding (pass is_causal=True with a causal mask)"
         if is_causal and attn_mask is None:
@@ -527,7 +530,7 @@ class _Runtime:
             return "autograd is on (no backward kernels yet)"
         if module.training and self.has_dropout:
             return "training mode with dropout"
-        if torch.is_autocast_enabled(x.device.type):
+        if torch.is_autocast_enabled(device.type):
             return "autocast"
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return "global forward hooks"
