@@ -474,7 +474,15 @@ class GraphCache:
         rows = _ROW_CHOICE.get(memo)
         if rows is not None:
             return make(rows)
-        graphs = [make(key[0]), make(key[0] + 1)]
+        first = make(key[0])
+        try:
+            graphs = [first, make(key[0] + 1)]
+        except Exception as e:  # noqa: BLE001 - the second graph is an option (it may not fit in memory, say)
+            torch.cuda.synchronize()
+            log.info("autoragged: ragged graph of %d rows kept without trying %d: %s: %s", key[0], key[0] + 1,
+                     type(e).__name__, str(e).splitlines()[0][:160] if str(e) else "")  # fmt: skip
+            _ROW_CHOICE[memo] = key[0]
+            return first
         ms = replay_ms(graphs)
         best = graphs[1] if ms[1] < ms[0] * (1 - _ROW_MARGIN) else graphs[0]
         _ROW_CHOICE[memo] = best.rows

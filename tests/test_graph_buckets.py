@@ -212,3 +212,24 @@ def test_a_cublas_ragged_graph_keeps_the_faster_of_its_rung_and_one_row_more(mon
     made_rows.clear()
     assert cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == rows
     assert made_rows == [rows] and len(timed) == (1 if backend == "cublas" else 0)
+
+
+def test_a_failed_second_capture_keeps_the_rung_graph(monkeypatch):
+    from torch import nn
+
+    from autoragged import _graphs
+    from autoragged._planner import graph_config
+
+    def make(*a):
+        if a[4][0] == 1025:
+            raise RuntimeError("CUDA out of memory")
+        return _FakeGraph(*a)
+
+    monkeypatch.setattr(_graphs, "_RaggedGraph", make)
+    monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: pytest.fail("nothing to compare"))
+    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runtime = type("R", (), {"layers": [nn.TransformerEncoderLayer(64, 4, 128)]})()
+    key = (1024, 8, 64, graph_config(16, 64, "cublas"), False, "padded")
+    assert _graphs.GraphCache()._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == 1024
+    assert list(_graphs._ROW_CHOICE.values()) == [1024]
