@@ -344,8 +344,9 @@ class _PaddedGraph:
 # The cuBLAS ragged graph's rows: its bucket's rung, or one row more, whichever replays faster. cuBLAS picks a
 # GEMM kernel per problem shape, and on the H100 (CUDA 13.0 cuBLAS, 2026-11-23) it picked slower ones on many
 # rungs (multiples of 128 rows) than on one row more: the graph of the 24-layer d_model-1024 encoder on a batch
-# of 8,479 tokens replayed in 12.7 ms at its rung of 8,960 rows, 11.5 ms at 8,961 and 11.3 ms at 8,479. Over 18
-# buckets of three encoders the extra row took 0.90x-1.15x the time (geomean 0.98x), slower only under 1K rows.
+# of 5,856 tokens replayed in 9.26 ms at its rung of 6,400 rows and 8.39 ms at 6,401. Over 18 buckets of three
+# encoders the extra row took 0.91x-1.16x the time (geomean 0.98x), slower only under 1K rows
+# (benchmarks/graph_rows.py).
 # No fixed rule holds across shapes (nor, likely, devices and cuBLAS versions), so both are captured and
 # timed, once per (rows, d_model, ff, layers, dtype, device) in a process: replays with no batch loaded, which
 # compute every linear on every row and skip the rest (no component). The extra row must win by _ROW_MARGIN.
@@ -474,22 +475,21 @@ class GraphCache:
         rows = _ROW_CHOICE.get(memo)
         if rows is not None:
             return make(rows)
-        first = make(key[0])
+        best = make(key[0])
         try:
-            graphs = [first, make(key[0] + 1)]
+            second = make(key[0] + 1)
         except Exception as e:  # noqa: BLE001 - the second graph is an option (it may not fit in memory, say)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # capture time, after a failed capture (as GraphCache._get does)
             log.info("autoragged: ragged graph of %d rows kept without trying %d: %s: %s", key[0], key[0] + 1,
                      type(e).__name__, str(e).splitlines()[0][:160] if str(e) else "")  # fmt: skip
-            _ROW_CHOICE[memo] = key[0]
-            return first
-        ms = replay_ms(graphs)
-        best = graphs[1] if ms[1] < ms[0] * (1 - _ROW_MARGIN) else graphs[0]
-        _ROW_CHOICE[memo] = best.rows
-        if len(_ROW_CHOICE) > 4096:
+        else:
+            ms = replay_ms([best, second])
+            best = second if ms[1] < ms[0] * (1 - _ROW_MARGIN) else best
+            log.debug("autoragged: ragged graph of %d rows replayed in %.3f ms, of %d in %.3f ms: %d rows",
+                      key[0], ms[0], key[0] + 1, ms[1], best.rows)  # fmt: skip
+        if len(_ROW_CHOICE) >= 4096:
             _ROW_CHOICE.pop(next(iter(_ROW_CHOICE)))
-        log.debug("autoragged: ragged graph of %d rows replayed in %.3f ms, of %d in %.3f ms: %d rows",
-                  key[0], ms[0], key[0] + 1, ms[1], best.rows)  # fmt: skip
+        _ROW_CHOICE[memo] = best.rows
         return best
 
     def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None):

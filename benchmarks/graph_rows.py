@@ -26,6 +26,7 @@ from autoragged._graphs import _ROW_MARGIN, _RaggedGraph, replay_ms  # noqa: E40
 from autoragged._measure import ArmRunner, build_encoder, make_batch  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks.short_rows import gpu_ms  # noqa: E402
 from tuning_db import BatchStats, ModuleSignature  # noqa: E402
 
 PLAN = {
@@ -33,18 +34,6 @@ PLAN = {
     "encoder:12x768/12h/ff3072:gelu:post:float16:nested": (600, 1500, 3000, 6000, 12000, 24000),
     "encoder:24x1024/16h/ff4096:gelu:post:float16:nested": (600, 1500, 3000, 6000, 12000),
 }
-
-
-def gpu_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def lengths_for(target: int, seed: int) -> tuple[int, ...]:
