@@ -498,3 +498,23 @@ def test_noisy_labels_weigh_less_in_the_fit(monkeypatch):
     weighted = ratio_error()
     monkeypatch.setattr(_model, "label_weights", lambda r: np.ones(len(r.y)))
     assert weighted < 0.7 * ratio_error()
+
+
+def test_prior_graph_cost_grows_with_depth():
+    """On a GPU, a replayed graph's launch cost is a fixed part plus a part per layer, more for the padded
+    graph than the cuBLAS ragged one: a tiny batch of a deeper encoder costs more, by a layer's worth each."""
+    from autoragged._costmodel import PADDED_GRAPH
+    from autoragged._planner import graph_config
+    from tuning_db.records import DeviceKey
+
+    prior = AnalyticPrior(DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0"))
+    stats = BatchStats.from_lengths((3, 5))
+    cublas = Arm("ragged_graph", graph_config(64, 5, "cublas"))
+    ms = {}
+    for layers in (6, 12, 24):
+        sig = ModuleSignature("encoder", layers, 768, 12, 3072, "gelu", False, "float16", nested=True)
+        ms[layers] = prior.predict_ms(sig, stats, [PADDED_GRAPH, cublas])
+    for arm, per_layer in ((0, prior.padded_graph_layer_ms), (1, prior.ragged_graph_layer_ms)):
+        assert ms[12][arm] - ms[6][arm] >= 6 * per_layer  # the launches, and the FLOPs and bytes per layer
+        assert ms[24][arm] - ms[12][arm] == pytest.approx(2 * (ms[12][arm] - ms[6][arm]))  # linear in depth
+    assert all(ms[n][0] > ms[n][1] for n in ms)  # the padded graph has more kernels per layer
