@@ -187,10 +187,14 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
             arms.append(Arm("ragged", config))
             told.append((trial, len(arms) - 1))
     # small batches take microseconds and their timings are noisy (host jitter): more repetitions there, and
-    # twice as many again for the arms the first round could not tell from the fastest
-    reps = (15 if stats.batch * stats.max_len <= 16384 else 7) if ctx.device.type == "cuda" else 3
+    # twice as many again for the arms the first round could not tell from the fastest; on a GPU, arms over
+    # 1.5x the fastest after a screen of 3 calls keep those 3 (time_close_calls)
+    on_gpu = ctx.device.type == "cuda"
+    reps = (15 if stats.batch * stats.max_len <= 16384 else 7) if on_gpu else 3
     fns = [lambda a=a: runner.run(a, x, mask, lengths, stats) for a in arms]
-    timings = time_close_calls(fns, ctx.device, reps=reps, extra_reps=2 * reps if ctx.device.type == "cuda" else 0)
+    timings = time_close_calls(
+        fns, ctx.device, reps=reps, extra_reps=2 * reps if on_gpu else 0, screen_reps=3 if on_gpu else 0
+    )
     for trial, i in told:
         study.tell(trial, timings[i].median_ms / timings[1].median_ms)
     if ctx.device.type == "cuda" and stats.batch * stats.max_len > 65536:

@@ -450,6 +450,37 @@ def test_close_calls_get_more_repetitions_pooled_with_the_first(monkeypatch):
     assert [t.reps for t in capped] == [5, 5, 3]  # 4.5 ms over ~2.1 ms per round of the pair: 2 more each
 
 
+def test_screen_keeps_far_arms_at_their_first_timings(monkeypatch):
+    """With screen_reps, every arm gets that many calls after one warm-up; an arm over `far` x the fastest's
+    median stops there, the rest go on to `reps` (and the close ones to their extra calls)."""
+    from autoragged import _measure
+
+    clock = {"a": iter([1.0, 1.02, 0.98] * 20), "b": iter([1.4, 1.45, 1.42] * 20), "c": iter([1.6, 1.55, 1.7] * 20)}
+    calls = {"a": 0, "b": 0, "c": 0}
+    timed = []
+
+    def fake_time_ms(fn, device, warmup=0, reps=1):
+        name = fn()
+        timed.append(name)
+        return _measure.Timing.of([next(clock[name])])
+
+    def run(name):
+        calls[name] += 1
+        return name
+
+    monkeypatch.setattr(_measure, "time_ms", fake_time_ms)
+    fns = [lambda: run("a"), lambda: run("b"), lambda: run("c")]
+    timings = _measure.time_close_calls(fns, torch.device("cpu"), reps=7, extra_reps=0, screen_reps=3)
+    assert [t.reps for t in timings] == [7, 7, 3]  # c is 1.6x a: screened out; b at 1.42x goes on
+    assert timed[:9] == ["a", "b", "c"] * 3 and timed[9:] == ["a", "b"] * 4
+    assert calls == {"a": 8, "b": 8, "c": 4}  # one warm-up call each
+    assert timings[2].median_ms == 1.6 and timings[0].samples[:3] == (1.0, 1.02, 0.98)
+    # a screen of at least `reps` calls is no screen: every arm gets `reps` after two warm-up calls
+    timed.clear()
+    plain = _measure.time_close_calls(fns, torch.device("cpu"), reps=3, extra_reps=0, screen_reps=3)
+    assert [t.reps for t in plain] == [3, 3, 3] and calls == {"a": 13, "b": 13, "c": 9}
+
+
 # -- label weights -------------------------------------------------------------------------------
 def test_label_weights_follow_the_spread_of_each_timing():
     device = device_key("cpu")
