@@ -549,3 +549,39 @@ def test_prior_graph_cost_grows_with_depth():
         assert ms[12][arm] - ms[6][arm] >= 6 * per_layer  # the launches, and the FLOPs and bytes per layer
         assert ms[24][arm] - ms[12][arm] == pytest.approx(2 * (ms[12][arm] - ms[6][arm]))  # linear in depth
     assert all(ms[n][0] > ms[n][1] for n in ms)  # the padded graph has more kernels per layer
+
+
+def test_shortlist_needs_three_head_to_head_wins_and_no_large_loss():
+    """A config joins a max_len bucket's shortlist after beating the default on most of at least 3 batches of
+    it, by a median of 3% or more, losing on none by over 5%."""
+    key = device_key("cpu").key
+    sig_key = "encoder:2x128/4h/ff256:relu:post:float32:nested"
+    default = default_ragged_config(32, 100)
+    steady = KernelConfig(**{**default.to_dict(), "block_m": 32, "block_n": 32})
+    erratic = KernelConfig(**{**default.to_dict(), "num_warps": 8, "num_stages": 3})
+    few = KernelConfig(**{**default.to_dict(), "align": 16})
+    ratios = {steady: [0.9, 0.92, 1.02], erratic: [0.85, 0.9, 1.16], few: [0.8, 0.8, None]}
+    out = []
+    for b in range(3):
+        stats = BatchStats.from_lengths((100, 80 + b))
+        rows = [(default, 1.0)] + [(c, r[b]) for c, r in ratios.items() if r[b] is not None]
+        for config, ms in rows:
+            out.append(Measurement(key, sig_key, "ragged", config.to_dict(), stats, ms, ms, ms, 5, 1.0,
+                                   source="tune", distribution="uniform", extra={"batch_id": f"b{b}"}))  # fmt: skip
+    table = _model._shortlist(out)[sig_key]
+    assert table == [{"max_len_le": 128, "configs": [default.to_dict(), steady.to_dict()]}]
+
+
+def test_measuring_stops_in_time_for_the_slowest_batch_and_the_fit():
+    """The tuner keeps what fitting the measurements takes (growing with them) and the slowest batch so far
+    out of its budget: `tune --budget 10` ends within ten minutes, the fit included."""
+    fit = tune._fit_seconds
+    assert fit(5000) > 45.0 and fit(5000) > fit(1000)  # on the H100 host a 5,113-measurement fit took ~50 s
+    total = 600.0
+    assert tune._time_to_measure(total, 10.0, 400.0, 1000, 5.0)
+    # 600 - 10 setup - 480 measured - fit(5000) = 110 - 70: room for a 30 s batch, not for a 45 s one
+    assert tune._time_to_measure(total, 10.0, 480.0, 5000, 30.0)
+    assert not tune._time_to_measure(total, 10.0, 480.0, 5000, 45.0)
+    assert not tune._time_to_measure(total, 10.0, 520.0, 5000, 1.0)
+    # a tiny budget keeps at most half of itself for the fit, so it still measures
+    assert tune._time_to_measure(6.0, 0.5, 0.0, 0, 0.0) and not tune._time_to_measure(6.0, 0.5, 2.6, 0, 0.0)
