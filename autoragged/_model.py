@@ -535,10 +535,15 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
     prior_metrics = evaluate_choices(
         rows.prior[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
     )
+    # the trivial rule: always the reference arm (the cuBLAS ragged graph on a GPU), where it was measured
+    always = np.where(rows.is_ref[reference], 0.0, 1.0)[evaluated]
+    always_metrics = evaluate_choices(always, rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e])
     metrics.update(against_every_arm(predicted, rows, rows.choosable))
     metrics.update(
         holdout=holdout, families=families, rows=int(len(rows.y)), reference=reference,
         prior_accuracy=prior_metrics["accuracy"], prior_mean_regret=prior_metrics["mean_regret"],
+        reference_accuracy=always_metrics["accuracy"], reference_mean_regret=always_metrics["mean_regret"],
+        reference_p95_regret=always_metrics["p95_regret"],
     )  # fmt: skip
     everything = np.ones(len(rows.y), dtype=bool)
     model = _fit_pair(rows, everything, reference, device, seed, _shortlist(measurements))

@@ -619,7 +619,9 @@ def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
     for name, label, digits in (("accuracy_within_noise", "accuracy, ties within measurement noise (held out)", 1),
                                 ("mean_regret_all_arms", "mean regret against every arm, mask-only too (held out)", 2),
                                 ("prior_accuracy", "analytic prior's accuracy (held out)", 1),
-                                ("prior_mean_regret", "analytic prior's mean regret (held out)", 2)):  # fmt: skip
+                                ("prior_mean_regret", "analytic prior's mean regret (held out)", 2),
+                                ("reference_accuracy", "always the reference arm: accuracy", 1),
+                                ("reference_mean_regret", "always the reference arm: mean regret", 2)):  # fmt: skip
         if _metric(c.metrics, name) is not None:
             rows.append((label, _pct(_metric(c.metrics, name), digits)))
     return [("table", ["calibration", "value"], rows)]

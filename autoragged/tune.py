@@ -374,14 +374,17 @@ def _fit_and_store(db, key) -> int:
     pct = lambda v, digits=1: "n/a" if v is None else f"{v:.{digits}%}"  # noqa: E731
     print("  (the choice among the arms the planner runs with the lengths known; the mask-only arm is predicted for")
     print("  mask-only batches, not chosen: see Arm.mask_only)")
-    print("  | metric | learned model | analytic prior |")
-    print("  |---|---|---|")
-    print(f"  | decision accuracy | {pct(metrics['accuracy'])} | {pct(metrics['prior_accuracy'])} |")
-    print(f"  | accuracy, ties within measurement noise | {pct(metrics.get('accuracy_within_noise'))} | - |")
-    print(f"  | mean regret | {pct(metrics['mean_regret'], 2)} | {pct(metrics['prior_mean_regret'], 2)} |")
-    print(f"  | p95 regret | {pct(metrics['p95_regret'], 2)} | - |")
-    print(f"  | mean regret against every arm, mask-only too | {pct(metrics.get('mean_regret_all_arms'), 2)} | - |")
-    print(f"  | latency MAPE | {pct(metrics['mape'])} | - |")
+    ref = metrics.get("reference", "")
+    print(f"  | metric | learned model | analytic prior | always {ref} |")
+    print("  |---|---|---|---|")
+    print(f"  | decision accuracy | {pct(metrics['accuracy'])} | {pct(metrics['prior_accuracy'])} | "
+          f"{pct(metrics.get('reference_accuracy'))} |")  # fmt: skip
+    print(f"  | accuracy, ties within measurement noise | {pct(metrics.get('accuracy_within_noise'))} | - | - |")
+    print(f"  | mean regret | {pct(metrics['mean_regret'], 2)} | {pct(metrics['prior_mean_regret'], 2)} | "
+          f"{pct(metrics.get('reference_mean_regret'), 2)} |")  # fmt: skip
+    print(f"  | p95 regret | {pct(metrics['p95_regret'], 2)} | - | {pct(metrics.get('reference_p95_regret'), 2)} |")
+    print(f"  | mean regret against every arm, mask-only too | {pct(metrics.get('mean_regret_all_arms'), 2)} | - | - |")
+    print(f"  | latency MAPE | {pct(metrics['mape'])} | - | - |")
     if metrics["batches"] == 0:
         print("  (no batch was measured on several arms: decision metrics need the tuner's own batches)")
     return 0

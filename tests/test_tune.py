@@ -80,6 +80,14 @@ def test_relative_forest_ranks_arms_by_their_ratio_on_the_same_batch():
     # held out, the shared jitter cancels out of the ratios: the faster arm is chosen on every batch
     assert model.metrics["accuracy"] == 1.0 and model.metrics["mean_regret"] == 0.0
     assert model.metrics["mape"] > 0.05  # while the latencies themselves carry the jitter
+    # the trivial rule, always the reference arm (padded here), is reported beside it
+    by_batch: dict = {}
+    for m in _jittered_measurements(120):
+        by_batch.setdefault(m.extra["batch_id"], {})[m.arm] = m.median_ms
+    regret = [b["padded"] / min(b.values()) - 1.0 for b in by_batch.values()]
+    assert 0 < sum(r > _model.TIE for r in regret) < len(regret)  # the rule is right on some batches only
+    assert model.metrics["reference_accuracy"] == pytest.approx(np.mean([r <= _model.TIE for r in regret]))
+    assert model.metrics["reference_mean_regret"] == pytest.approx(np.mean(regret))
     fresh = _jittered_measurements(60, seed=1)
     rows = _model._rows(fresh, device)
     on_fresh = _model.evaluate_choices(
@@ -159,7 +167,7 @@ def test_tune_measures_fits_and_stores_a_model(tuned):
     assert model is not None and model.kind == _model.KIND
     with TuningDB.open(tuned / "t.sqlite") as db:
         assert db.counts()["kernel_configs"] >= 1  # every measured config is registered once
-    for name in ("accuracy", "mean_regret", "p95_regret", "mape", "holdout", "prior_accuracy"):
+    for name in ("accuracy", "mean_regret", "p95_regret", "mape", "holdout", "prior_accuracy", "reference_accuracy"):
         assert name in model.metrics
     assert 0.0 <= model.metrics["accuracy"] <= 1.0
 
