@@ -452,7 +452,7 @@ def against_every_arm(
 # lost on none by over 5%. With 2 batches and no worst case (before), the H100 calibration of 2026-11-23 (budget
 # 10, 810 batches) shortlisted 32/32 tiles for the CoRa encoder's max_len <= 512 bucket on two wins (0.885x,
 # 0.949x at 518 and 12,437 tokens) over one loss (1.157x at 16,510): the model then chose it for RACE at B=128
-# (38K tokens), which it ran at 1.35x the default config's time (benchmarks/results/cora_table.json).
+# (38K tokens), which it ran at 1.35x the default config's time (cora_table_before_shortlist_rule.json).
 _SHORTLIST_MIN_BATCHES = 3
 _SHORTLIST_WORST = 1.05
 
@@ -535,9 +535,12 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
     prior_metrics = evaluate_choices(
         rows.prior[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
     )
-    # the trivial rule: always the reference arm (the cuBLAS ragged graph on a GPU), where it was measured
-    always = np.where(rows.is_ref[reference], 0.0, 1.0)[evaluated]
-    always_metrics = evaluate_choices(always, rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e])
+    # the trivial rule: always the reference arm (the cuBLAS ragged graph on a GPU), on the batches it was timed on
+    timed_ref = {g for g, r in zip(rows.group, rows.is_ref[reference]) if g and r}
+    on = evaluated & np.array([g in timed_ref for g in rows.group], dtype=bool)
+    always_metrics = evaluate_choices(
+        np.where(rows.is_ref[reference], 0.0, 1.0)[on], rows.ms[on], [g for g, e in zip(rows.group, on) if e]
+    )
     metrics.update(against_every_arm(predicted, rows, rows.choosable))
     metrics.update(
         holdout=holdout, families=families, rows=int(len(rows.y)), reference=reference,
