@@ -122,7 +122,8 @@ def time_close_calls(fns: Sequence[Callable[[], object]], device: torch.device, 
     warm-up call: an arm whose median is over `far` times the fastest's keeps those timings, the others are
     timed up to `reps`. A label never comes from an arm that far behind, and such arms took most of a
     calibration's timed calls: on tiny batches the eager arms take 10-20x the graphs' time (H100 calibration
-    of 2026-11-23: 227 of 441 s measuring were timed calls, 125 s had they been screened)."""
+    of 2026-11-23, estimated from its recorded medians and repetitions: 227 of 441 s measuring went to timed
+    and warm-up calls, 125 s would have with the screen)."""
     if 0 < screen_reps < reps:
         timings = time_interleaved(fns, device, warmup=1, reps=screen_reps)
         best = min(t.median_ms for t in timings)

@@ -452,7 +452,7 @@ def against_every_arm(
 # lost on none by over 5%. With 2 batches and no worst case (before), the H100 calibration of 2026-11-23 (budget
 # 10, 810 batches) shortlisted 32/32 tiles for the CoRa encoder's max_len <= 512 bucket on two wins (0.885x,
 # 0.949x at 518 and 12,437 tokens) over one loss (1.157x at 16,510): the model then chose it for RACE at B=128
-# (38K tokens), which it ran at 1.35x the default config's time (cora_table_before_shortlist_rule.json).
+# (about 47K tokens), where it took 1.35x forced eager ragged's time (cora_table_before_shortlist_rule.json).
 _SHORTLIST_MIN_BATCHES = 3
 _SHORTLIST_WORST = 1.05
 

@@ -248,9 +248,9 @@ class _Context:
 
 
 # What fitting and evaluating the model takes, by the measurements it is fit on: on the H100 machine's host
-# a refit of 5,113 measurements (810 batches) took 55 s from start to exit (2026-11-23), against 24 s on a
-# 2-core CPU box. A budget-10 calibration that kept 45 s for it was still fitting when its 600-s device
-# call ended.
+# a refit of 5,113 measurements (810 batches) took 55 s from start to exit (2026-11-23); on a 2-core CPU box
+# the same fit took 24 s (30 s from start to exit). A budget-10 calibration that kept 45 s for it was still
+# fitting when its 600-s device call ended.
 _FIT_FIXED_S = 10.0
 _FIT_S_PER_ROW = 0.012
 
