@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 
@@ -65,7 +66,7 @@ _PROBES = 3
 
 def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
     """A mask_shapes entry (see _Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
-    return [streak, arm, 0, predicted or {}, tokens, {"read": [], "unread": [], "left": _PROBES, "lost": False}]
+    return [streak, arm, 0, predicted or {}, tokens, {"read": [], "unread": [], "left": _PROBES, "lost": False}, None]
 
 
 # -- the dispatching classes ----------------------------------------------------------------------
@@ -200,11 +201,15 @@ class _PadsRing:
     the counts of records nobody has read yet move off the ring in one clone (after the round's last copy
     has landed: long done, unless the host ran a round ahead of the device); records read earlier resolve
     themselves. Resolving one old record per batch instead (its copy-out and BatchStats) made `put` take
-    53 us per batch under cProfile on the H100 host (2026-11-23)."""
+    53 us per batch under cProfile on the H100 host (2026-11-23).
+    A slot reads -1 until its copy lands (a pad count is never -1: `_Record.stats` polls, no CUDA call): the
+    whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views
+    are made once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
         self.host = None
+        self.views: dict[int, list[torch.Tensor]] = {}
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.owners: list[_Record | None] = [None] * slots
 
@@ -214,33 +219,37 @@ class _PadsRing:
         B = pads.shape[0]
         if B > self.width:  # records still pending keep views of the old buffer, which is never written again
             self.width = max(B, 2 * self.width)
-            self.host = torch.empty(self.slots, self.width, dtype=torch.int32, pin_memory=True)
+            self.host = torch.full((self.slots, self.width), -1, dtype=torch.int32).pin_memory()
+            self.views = {}
             self.owners = [None] * self.slots
         self.i = i = (self.i + 1) % self.slots
         if i == 0:
             self._release()
-        view = self.host[i, :B]
-        view.fill_(-1)  # the copy is done when no -1 is left (_Record.stats: no CUDA call needed)
+        views = self.views.get(B)
+        if views is None:
+            views = self.views[B] = list(self.host[:, :B].unbind(0))
+        view = views[i]
         view.copy_(pads, non_blocking=True)
         record_event(self.events[i], self.device.index)
         self.owners[i] = record
         return view, self.events[i]
 
     def _release(self) -> None:
-        """Move the counts of the round's unread records into a copy of the buffer, freeing every slot."""
+        """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
+        not landed (-1) again: all slots are free."""
         from ._graphs import event_done
 
         pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
         self.owners = [None] * self.slots
-        if not pending:
-            return
         event_done(self.events[(self.i - 1) % self.slots])  # the newest copy; copies land in stream order
-        snapshot = self.host.clone()
-        with _RESOLVE:
-            for j, record in pending:
-                if record._pending is not None:
-                    host, _, width, L = record._pending
-                    record._pending = (snapshot[j, : host.shape[0]], None, width, L)
+        if pending:
+            snapshot = self.host.clone()
+            with _RESOLVE:
+                for j, record in pending:
+                    if record._pending is not None:
+                        host, _, width, L = record._pending
+                        record._pending = (snapshot[j, : host.shape[0]], None, width, L)
+        self.host.fill_(-1)
 
 
 class _Runtime:
@@ -277,7 +286,9 @@ class _Runtime:
         # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions,
         #           the last judged batch's tokens (the mask graph's linears pick their tiles for them),
         #           the probe: {"read": ms of timed read-path runs, "unread": ms of timed unread runs,
-        #           "left": unread runs still to time, "lost": the unread arm measured slower}]
+        #           "left": unread runs still to time, "lost": the unread arm measured slower},
+        #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
+        #           to it, the GraphCache generation it was seen in, the record's reason, the device key)]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
@@ -292,6 +303,13 @@ class _Runtime:
 
     # -- the hot path -------------------------------------------------------------------------
     def run(self, module, src, attn_mask, kpm, is_causal, lengths):
+        # a mask alone, of a trusted shape whose graph is kept: `_replay_unread`
+        if lengths is None and attn_mask is None and not is_causal and isinstance(kpm, torch.Tensor):
+            shape = self.mask_shapes.get(kpm.shape)
+            if shape is not None and shape[6] is not None:
+                out = self._replay_unread(module, src, kpm, shape)
+                if out is not None:
+                    return out
         ragged_in = isinstance(src, RaggedTensor)
         x = src.values if ragged_in else src
         if not ragged_in and not (isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 3):
@@ -315,7 +333,7 @@ class _Runtime:
                 if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
                     shape[2] += 1
                     if shape[2] % _RECHECK:
-                        return self._run_unread(module, x, kpm, B, L, shape[1], shape[3], shape[4], shape[5])
+                        return self._run_unread(module, x, kpm, B, L, shape)
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, lengths, B, L)
             if mask_only:
@@ -409,19 +427,21 @@ class _Runtime:
         if wins and not entry[5]["lost"]:
             entry[0] += 1
             arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
-            if arm != entry[1]:  # another arm: its timings start afresh
+            if arm != entry[1]:  # another arm: its timings start afresh, and its graph is not the one kept
                 entry[5].update(read=[], unread=[], left=_PROBES)
+                entry[6] = None
             entry[1] = arm
             entry[3], entry[4] = predicted, tokens
         else:
             entry[0] = 0
         return entry
 
-    def _run_unread(self, module, x, kpm, B: int, L: int, arm: Arm, predicted: dict[str, float], tokens: int,
-                    probe: dict):  # fmt: skip
-        """A mask-only batch of a shape where an arm that needs no lengths wins: run it on the mask, lengths
-        never read. The record carries the predictions of the shape's last judged batch (of `tokens`).
-        The shape's first `_PROBES` runs that replay (not capture) are timed for `_probe_result`."""
+    def _run_unread(self, module, x, kpm, B: int, L: int, shape: list):
+        """A mask-only batch of a shape (its `mask_shapes` entry) where an arm that needs no lengths wins: run
+        it on the mask, lengths never read. The record carries the predictions of the shape's last judged
+        batch (of `tokens`). The shape's first `_PROBES` runs that replay (not capture) are timed for
+        `_probe_result`. Once the arm's graph replays untimed, the entry keeps it for `_replay_unread`."""
+        arm, predicted, tokens, probe = shape[1], shape[3], shape[4], shape[5]
         self.count += 1
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
         timed = probe["left"] > 0 and x.is_cuda and self.sample_every > 0
@@ -429,7 +449,7 @@ class _Runtime:
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        out, pads, width, note = self._execute_unread(module, x, kpm, B, L, arm, tokens)
+        out, pads, width, note, graph = self._execute_unread(module, x, kpm, B, L, arm, tokens)
         if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
             end.record()
             probe["left"] -= 1
@@ -439,20 +459,56 @@ class _Runtime:
         record = _Record(None, arm, predicted, why, device_key(x.device), self.sig_key)
         if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
             self.pads_ring = _PadsRing(pads.device)
+        if graph is not None and not timed:
+            shape[6] = (weakref.ref(graph), self.graphs.generation, why, record.device)
+        return self._unread_done(record, pads, width, B, L, out)
+
+    def _replay_unread(self, module, x, kpm, shape: list):
+        """The hot path of a trusted mask-only shape whose arm's graph is captured (`shape[6]`): the fewest
+        steps before the replay, because a short batch's latency is the host time before its replay plus
+        the GPU's. None when this batch must take the general path instead: the shape is not trusted, it is
+        due a read or a timing, something differs (`_dynamic_reason`, the input's shape), or the graph left
+        the cache."""
+        ref, generation, why, device = shape[6]
+        graphs = self.graphs
+        if (
+            shape[0] < _TRUST or (shape[2] + 1) % _RECHECK == 0 or (shape[5]["left"] > 0 and self.sample_every > 0)
+            or graphs is None or graphs.generation != generation or not self.graphs_enabled or self.policy != "auto"
+            or not isinstance(x, torch.Tensor) or x.is_nested or x.dim() != 3
+        ):  # fmt: skip
+            return None
+        B, L = kpm.shape
+        if (x.shape[0], x.shape[1]) != ((B, L) if self.batch_first else (L, B)):
+            return None
+        if self.static_reason or self._dynamic_reason(module, x, None, kpm, None) is not None:
+            return None
+        graphs._check_params(module)
+        graph = ref()
+        if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
+            return None
+        shape[2] += 1
+        self.count += 1
+        out = graph.run_mask(x, kpm)
+        graphs.graphs.move_to_end(graph.key)  # most recently used
+        return self._unread_done(_Record(None, shape[1], shape[3], why, device, self.sig_key), graph.pads,
+                                 graph.width, B, L, out)  # fmt: skip
+
+    def _unread_done(self, record: _Record, pads: torch.Tensor, width: int, B: int, L: int, out):
+        """After an unread batch's work is queued: its record (stats deferred), harvest, logs; returns out."""
         record.defer(pads, width, L, self.pads_ring)
         self._record(record)
         if self.pending:
             self._harvest()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("autoragged %s: B=%d L=%d (lengths not read) -> %s", self.sig_key, B, L, arm.label)
+            log.debug("autoragged %s: B=%d L=%d (lengths not read) -> %s", self.sig_key, B, L, record.arm.label)
         if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
             self._log_summary()
         return out
 
     def _execute_unread(self, module, x, kpm, B: int, L: int, arm: Arm, tokens: int = 0):
-        """(output, per-row pad counts, the columns they count over, None) of an arm run on the mask itself
-        (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens` rows when > 0); the
-        note says why it ran eagerly padded instead."""
+        """(output, per-row pad counts, the columns they count over, None, the graph or None) of an arm run
+        on the mask itself (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens`
+        rows when > 0); the note says why it ran eagerly padded instead."""
         note = None
         if not arm.graph:
             pass
@@ -468,10 +524,10 @@ class _Runtime:
             else:
                 graph, note = self.graphs.padded(self, module, B, L, x.dtype, x.device, io="mask")
             if graph is not None:
-                return graph.run_mask(x, kpm), graph.pads, graph.width, None
+                return graph.run_mask(x, kpm), graph.pads, graph.width, None, graph
         out = self.base.forward(module, x, None, kpm, None)
         out = _zero_pads(out, kpm, self.batch_first)
-        return out, kpm.sum(1, dtype=torch.int32), L, note
+        return out, kpm.sum(1, dtype=torch.int32), L, note, None
 
     def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
         """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,

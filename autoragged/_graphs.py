@@ -215,7 +215,7 @@ class _RaggedGraph:
         self.ring.copy_to(slot, self.args)
 
     def _check(self, name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
-        if t.dtype != dtype or t.device != self.device or t.stride(-1) != 1 or t.shape != shape:
+        if t.dtype != dtype or t.get_device() != self.index or t.stride(-1) != 1 or t.shape != shape:
             raise ValueError(
                 f"the graph needs a {dtype} {name} of shape {shape} on {self.device} with stride 1 on the last "
                 f"dim, got {t.dtype} on {t.device}, shape {tuple(t.shape)}, strides {t.stride()}"
@@ -412,12 +412,17 @@ class GraphCache:
         self._ptrs: tuple[int, ...] | None = None
         self._params: list[torch.Tensor] | None = None
         self._epoch = -1
+        # bumped whenever a graph leaves the cache (evicted, cleared, dropped for moved parameters): a caller
+        # that kept a weak reference to a graph with the generation it saw may replay it without a lookup
+        # while the generation holds (the dispatcher's trusted mask shapes)
+        self.generation = 0
 
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
         self._ptrs = self._params = None
         self.pool = None  # a pool whose graphs are all gone must not be captured into again
+        self.generation += 1
 
     def _check_params(self, module) -> None:
         if self._epoch != param_epoch() or self._params is None:
@@ -427,6 +432,7 @@ class GraphCache:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
             self.graphs.clear()
             self.pool = None  # PyTorch asserts when capturing into a pool whose graphs were all freed
+            self.generation += 1
         self._ptrs = ptrs
 
     def _get(self, key, make):
@@ -454,9 +460,11 @@ class GraphCache:
             self.failed[key] = reason
             log.warning("autoragged: CUDA graph capture failed for bucket %s, running eagerly: %s", key, reason)
             return None, f"graph capture failed: {reason}"
+        graph.key = key
         self.graphs[key] = graph
         if len(self.graphs) > self.cap:
             self.graphs.popitem(last=False)
+            self.generation += 1
         return graph, None
 
     def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import autoragged  # noqa: E402
 from autoragged import RaggedTensor  # noqa: E402
 from autoragged._costmodel import PADDED  # noqa: E402
+from autoragged._dispatch import _shape_entry  # noqa: E402
 from autoragged.workloads import CORA, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, table, write_json  # noqa: E402
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime = model._autoragged
         runtime._execute = lambda module, arm, src, *rest: (src, None)  # the arms are not what this measures
         pads = {}
-        runtime._execute_unread = lambda module, x, kpm, B, L, arm, tokens=0: (x, pads[B], L, None)
+        runtime._execute_unread = lambda module, x, kpm, B, L, arm, tokens=0: (x, pads[B], L, None, None)
         judge = runtime._judge_shape
         rows = []
         rng = np.random.default_rng(0)
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                     runtime.mask_shapes.clear()
                     if mode.endswith("not read"):  # the shape is trusted padded: lengths stay on the device
                         runtime._judge_shape = judge
-                        runtime.mask_shapes[(batch, L)] = [10**9, PADDED, 0, {"padded": 1.0}, 0]
+                        runtime.mask_shapes[(batch, L)] = _shape_entry(10**9, PADDED, {"padded": 1.0})
                     else:  # every mask is read (the shape is never trusted)
-                        runtime._judge_shape = lambda *a: None
+                        runtime._judge_shape = lambda *a: _shape_entry()  # (a streak of 0)
                     with torch.no_grad():
                         measure(runtime, model, inputs, 2000)  # warm: planner, caches
                         us = measure(runtime, model, inputs, args.calls)

@@ -371,3 +371,68 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         (graph,) = [g_ for k, g_ in rt_.graphs.graphs.items() if k[-1] == "mask"]
         assert graph.layout.live.item() == int((~mask).sum())  # the rows the linears and norms stopped at
         assert graph.layout.tile_rows == 200  # the linears' tiles were picked for the judged batch's tokens
+
+
+def test_a_trusted_mask_shape_replays_its_kept_graph_and_notices_what_changed():
+    """The hot path of a trusted mask-only shape (`_replay_unread`) replays the graph the shape kept, with no
+    lookup; a graph gone from the cache (evicted, cleared, parameters moved to new storage) sends the batch
+    to the general path, which captures again; in-place parameter updates are seen by the next replay."""
+    from autoragged import _dispatch as dispatch
+
+    enc = encoder()
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    rt_.graph_min_seen = 1
+    L = 50
+    arm = Arm("ragged_graph", graph_config(D // H, L, "triton"))
+    entries = {B: dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100) for B in (4, 6)}
+    rt_.mask_shapes.update({(B, L): e for B, e in entries.items()})
+    fast = []
+    replay_unread = rt_._replay_unread
+    g = torch.Generator().manual_seed(0)
+
+    def spy(*a):
+        out = replay_unread(*a)
+        fast.append(out is not None)
+        return out
+
+    rt_._replay_unread = spy
+
+    def check(B, hot):
+        """One batch of B rows through the wrapped call against PyTorch on the same mask: it took the hot
+        path (and then never synchronised) if and only if `hot`."""
+        n = len(fast)
+        lengths = torch.randint(1, L + 1, (B,), generator=g)
+        mask = (torch.arange(L)[None, :] >= lengths[:, None]).cuda()
+        x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
+        with torch.inference_mode():
+            y = call_mask(enc, x, mask, no_sync=hot)
+            want = rt_.base.forward(enc, x, None, mask, None)
+        keep = ~mask
+        torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
+        assert (y[mask] == 0).all()
+        d = autoragged.recent_decisions(enc, 1)[0]
+        assert "not read" in d.reason and d.arm == "ragged_graph" and d.stats.total == int(lengths.sum()), d
+        assert (fast[n:] == [True]) == hot, (B, fast[n:])
+
+    check(4, hot=False)  # captured through the general path, which keeps the graph for the shape
+    assert entries[4][6] is not None
+    for _ in range(3):
+        check(4, hot=True)
+    with torch.no_grad():  # in place: the same storage, seen by the next replay
+        enc.layers[0].linear1.weight.mul_(1.5)
+    check(4, hot=True)
+    for p in enc.parameters():  # new storage (as `.to()` or ZeRO-style partitioning do): the graphs are dropped
+        p.data = p.data.clone()
+    with torch.no_grad():
+        enc.layers[1].linear2.weight.mul_(0.5)  # on the new storage only
+    check(4, hot=False)
+    check(4, hot=True)
+    rt_.graphs.cap = 1
+    check(6, hot=False)  # its capture evicts the B=4 graph
+    check(4, hot=False)  # and this one the B=6 graph
+    check(6, hot=False)
+    check(6, hot=True)
+    rt_.graphs.clear()
+    check(6, hot=False)
+    check(6, hot=True)

@@ -399,7 +399,7 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
-    streak, arm, _, predicted, _, _ = rt.mask_shapes[(8, 40)]
+    streak, arm, _, predicted, _, _, _ = rt.mask_shapes[(8, 40)]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
     assert rt.mask_shapes[(8, 40)][0] == 0
@@ -421,7 +421,7 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
     predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
     rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded, tokens, _ = rt.mask_shapes[(8, 40)]
+    streak, chosen, _, recorded, tokens, _, _ = rt.mask_shapes[(8, 40)]
     assert streak == 1 and chosen == mask_arm and recorded == predicted
     assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
     rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
