@@ -2,6 +2,7 @@
 
     python benchmarks/short_rows.py                  # CoLA, MRPC, MNLI, XNLI at B=32/64/128
     python benchmarks/short_rows.py --datasets CoLA --batches 32
+    python benchmarks/short_rows.py --datasets MRPC --batches 32 --host-profile   # where the mask call's host time goes
 
 On the short rows of the benchmark of record a batch is a few hundred microseconds, so a column of
 `cora_table.py` (latency of one call, host work included) mixes two things. This splits them:
@@ -18,6 +19,10 @@ On the short rows of the benchmark of record a batch is a few hundred microsecon
   host_replay_us    host microseconds of the replay step alone (output allocation, args copy, replay)
   mask_call         latency of the wrapped model called with the mask alone, forced to the ragged graph
                     fed the mask once the shape is trusted (every 16th call still reads the lengths)
+  mask_host_us      host microseconds of that call (the clock stops when the call returns, before a sync)
+  general_call, general_host_us   the same two with the trusted shape's hot path (`_replay_unread`) turned
+                    off: the general path, with its graph lookup (an A/B of the hot path on one machine)
+  mask_call_again   mask_call once more, after them (how far the machine drifted meanwhile)
   lengths_call / varlen_graph and mask_call / varlen_graph are the ratios the goal asks about (within 1.2x).
 Prints a table and writes benchmarks/results/short_rows.json.
 """
@@ -83,6 +88,55 @@ def host_us(fn, n: int = 200) -> float:
     return statistics.median(times)
 
 
+def host_profile(name: str, call, n: int = 2000) -> None:
+    """cProfile of `n` calls (each followed by a sync): the functions by their own time. cProfile adds its
+    own cost per Python call, so the shares matter more than the absolute numbers."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
+        call()
+        prof.disable()
+    torch.cuda.synchronize()
+    print(f"\n### host profile of the mask call, {name}, {n} calls\n")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> None:
+    """Median host microseconds of the steps of an unread mask call, each timed alone."""
+    rt = masked._autoragged
+    head = mgraph._io(x)[0]
+    B, L = mask.shape
+    shape = rt.mask_shapes[(B, L)]
+    arm, tokens = shape[1], shape[4]
+    pads = mgraph.pads
+    steps = [
+        ("the whole call", lambda: masked(x, src_key_padding_mask=mask)),
+        ("runtime.run", lambda: rt.run(masked, x, None, mask, None, None)),
+        # (its count reset each time: it leaves every 16th batch, a read, to the general path)
+        ("_replay_unread (trusted)", lambda: (shape.__setitem__(2, 1), rt._replay_unread(masked, x, mask, shape))),
+        ("_execute_unread", lambda: rt._execute_unread(masked, x, mask, B, L, arm, tokens)),
+        (
+            "graph lookup (ragged_mask)",
+            lambda: rt.graphs.ragged_mask(rt, masked, arm.config, False, B, L, x.dtype, x.device, tokens),
+        ),
+        ("pads ring put", lambda: rt.pads_ring.put(pads, None)),
+        ("run_mask (output, args, replay)", lambda: mgraph.run_mask(x, mask)),
+        ("replay of the mask graph", mgraph.graph.replay),
+        ("replay of the varlen graph", varlen_replay),
+        ("_io (output, pointers)", lambda: mgraph._io(x)),
+        ("_load_args (pinned copy)", lambda: mgraph._load_args((*head, mask.data_ptr(), *mask.stride()))),
+        ("_check_params", lambda: rt.graphs._check_params(masked)),
+        ("_dynamic_reason", lambda: rt._dynamic_reason(masked, x, None, mask, None)),
+    ]
+    print(f"\n### host steps of the mask call, {name} (median us)\n")
+    for label, fn in steps:
+        print(f"  {label:40s} {host_us(fn, 500):7.1f}")
+
+
 def profile(name: str, batch: int, varlen_replay, ragged_replay) -> None:
     """Kernel times inside each graph (CUPTI traces a replayed graph's kernels one by one)."""
     from torch.profiler import ProfilerActivity
@@ -135,6 +189,17 @@ def bench(name: str, batch: int, args, models, device) -> dict:
         for _ in range(4):  # the reads that earn the shape its trust (3), then the capture
             call()
         row["mask_call"] = t(call)
+        row["mask_host_us"] = host_us(call)
+        rt = masked._autoragged
+        rt._replay_unread = lambda *a: None  # the general path only
+        row["general_call"] = t(call)
+        row["general_host_us"] = host_us(call)
+        del rt._replay_unread  # the method again
+        row["mask_call_again"] = t(call)
+        if args.host_profile:
+            host_profile(f"{name} B={batch}", call)
+            mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[-1] == "mask")
+            host_steps(f"{name} B={batch}", masked, x, mask, mgraph, replay)
         last = autoragged.recent_decisions(masked, 1)[0]
         if "not read" not in last.reason:
             raise RuntimeError(f"the mask call read its lengths: {last.arm}, {last.reason}")
@@ -165,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--reps", type=int, default=30, help="timed calls per latency cell (default 30)")
     p.add_argument("--profile", action="store_true", help="print the kernel times of both graphs on the first row")
+    p.add_argument("--host-profile", action="store_true", help="print a cProfile of the mask call on every row")
     p.add_argument("--out", help="JSON path (default benchmarks/results/short_rows.json)")
     args = p.parse_args(argv)
     require_cuda("benchmarks/short_rows.py")
@@ -192,13 +258,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:6s} B={batch:3d} varlen_graph={r['varlen_graph']:.3f} varlen_gpu={r['varlen_gpu']:.3f} "
                   f"ragged_gpu={r['ragged_gpu']:.3f} triton_gpu={r['triton_gpu']:.3f} mask_gpu={r['mask_gpu']:.3f} "
                   f"lengths_call={r['lengths_call']:.3f} mask_call={r['mask_call']:.3f} "
-                  f"host_call={r['host_call_us']:.0f}us", flush=True)  # fmt: skip
+                  f"host_call={r['host_call_us']:.0f}us mask_host={r['mask_host_us']:.0f}us", flush=True)  # fmt: skip
     cols = [("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "T", "d"),
             ("varlen_graph", "varlen graph", ".3f"), ("varlen_gpu", "varlen GPU", ".3f"),
             ("ragged_graph", "ragged graph", ".3f"), ("ragged_gpu", "ragged GPU", ".3f"),
             ("triton_gpu", "Triton-linear graph GPU", ".3f"), ("mask_gpu", "mask graph GPU", ".3f"),
             ("padded_graph_gpu", "padded graph GPU", ".3f"), ("lengths_call", "lengths= call", ".3f"),
-            ("mask_call", "mask call", ".3f"),
+            ("mask_call", "mask call", ".3f"), ("mask_host_us", "mask host us/call", ".0f"),
+            ("general_call", "mask call, general path", ".3f"), ("general_host_us", "its host us/call", ".0f"),
+            ("mask_call_again", "mask call again", ".3f"),
             ("host_call_us", "host us/call", ".0f"), ("host_replay_us", "host us/replay step", ".0f"),
             ("gpu_ratio", "GPU ragged/varlen", ".2f"),
             ("call_vs_varlen_graph", "call / varlen graph", ".2f"),
