@@ -10,7 +10,8 @@ One batch (`_Runtime.run`):
     device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape that an
     arm needing no lengths keeps winning (the copy's cost counted against the others) skips the copy and
     runs that arm on the mask (padded, or the ragged graph fed the mask); its stats reach the record
-    later, without a sync;
+    later, without a sync. Once that arm's graph is captured, the shape's batches take a short path from
+    the support checks to the replay (`_replay_unread`);
  2. `BatchStats` on the host;
  3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
     reason is recorded), or chosen by the planner;
