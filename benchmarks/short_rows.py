@@ -105,8 +105,9 @@ def host_profile(name: str, call, n: int = 2000) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
-def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> None:
-    """Median host microseconds of the steps of an unread mask call, each timed alone."""
+def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> dict[str, float]:
+    """Median host microseconds of the steps of an unread mask call, each timed alone (printed, and returned
+    for the JSON)."""
     rt = masked._autoragged
     head = mgraph._io(x)[0]
     B, L = mask.shape
@@ -129,12 +130,19 @@ def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> None:
         ("replay of the varlen graph", varlen_replay),
         ("_io (output, pointers)", lambda: mgraph._io(x)),
         ("_load_args (pinned copy)", lambda: mgraph._load_args((*head, mask.data_ptr(), *mask.stride()))),
+        (
+            "_load_args, then the replay",
+            lambda: (mgraph._load_args((*head, mask.data_ptr(), *mask.stride())), mgraph.graph.replay()),
+        ),
         ("_check_params", lambda: rt.graphs._check_params(masked)),
         ("_dynamic_reason", lambda: rt._dynamic_reason(masked, x, None, mask, None)),
     ]
     print(f"\n### host steps of the mask call, {name} (median us)\n")
+    out = {}
     for label, fn in steps:
-        print(f"  {label:40s} {host_us(fn, 500):7.1f}")
+        out[label] = host_us(fn, 500)
+        print(f"  {label:40s} {out[label]:7.1f}")
+    return out
 
 
 def profile(name: str, batch: int, varlen_replay, ragged_replay) -> None:
@@ -199,7 +207,7 @@ def bench(name: str, batch: int, args, models, device) -> dict:
         if args.host_profile:
             host_profile(f"{name} B={batch}", call)
             mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[-1] == "mask")
-            host_steps(f"{name} B={batch}", masked, x, mask, mgraph, replay)
+            row["host_steps_us"] = host_steps(f"{name} B={batch}", masked, x, mask, mgraph, replay)
         last = autoragged.recent_decisions(masked, 1)[0]
         if "not read" not in last.reason:
             raise RuntimeError(f"the mask call read its lengths: {last.arm}, {last.reason}")
@@ -230,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--reps", type=int, default=30, help="timed calls per latency cell (default 30)")
     p.add_argument("--profile", action="store_true", help="print the kernel times of both graphs on the first row")
-    p.add_argument("--host-profile", action="store_true", help="print a cProfile of the mask call on every row")
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="on every row: a cProfile of the mask call, and its steps timed alone (also in the JSON)",
+    )
     p.add_argument("--out", help="JSON path (default benchmarks/results/short_rows.json)")
     args = p.parse_args(argv)
     require_cuda("benchmarks/short_rows.py")
