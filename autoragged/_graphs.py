@@ -6,10 +6,11 @@ eager arms spend about a millisecond launching kernels; a replay launches the wh
 ragged_graph: the layout, pack, the encoder layers on static values of `rows` bucket rows, and unpack,
     captured together. The graph builds its layout (offsets, lengths, prelude; one static int32 buffer)
     from the batch's lengths (kernels/graph_layout.py), pack reads the caller's padded input and unpack
-    writes a fresh output through pointers (kernels/ragged_pack.py, indirect forms). Per batch: one
-    host->device copy of those arguments (pointers, strides, sizes, lengths: through pinned memory, no
-    sync) and the replay; no numpy, no copy of the input in or of the output out, no Triton launch from
-    Python. Spare components have length 0; spare attention programs see a grid_mapping of -1 and exit.
+    writes a fresh output through pointers (kernels/ragged_pack.py, indirect forms). Per batch: those
+    arguments (pointers, strides, sizes, lengths) written into a slot of a pinned ring, which the graph's
+    first kernel reads (kernels/graph_args.py), and the replay; no host->device copy, no sync, no copy of
+    the input in or of the output out, no Triton launch from Python. Spare components have length 0;
+    spare attention programs see a grid_mapping of -1 and exit.
     The bucket's spare rows: Triton linears and norms (KernelConfig.backend "triton") stop at the rows
     the batch fills, which the layout holds on the device (`Layout.live`); cuBLAS computes them too (it
     needs its row count on the host), and nothing reads them. A graph with cuBLAS linears holds its rung's
@@ -25,7 +26,8 @@ padded_graph: the original module captured on a static (B, bucket length) input 
     mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
     (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
     PyTorch's nested-tensor conversion is off during capture (it synchronises, so it cannot be
-    captured). Per batch: copy in, replay, copy out.
+    captured). Per batch: copy in (the lengths through a pinned slot, as the ragged graph's args), replay,
+    copy out.
 
 Everything a graph reads must outlive it: static buffers live on the graph object, and the capture
 closure is kept with the graph (a buffer only the closure held was freed after capture and reused by
@@ -35,7 +37,7 @@ collector, and the collector is off during a capture: a collection that destroye
 mid-capture made the capture fail (CUDA forbids it), and the bucket then ran eagerly for good.
 
 A graph's static buffers (its args, layout and values) serve every replay of it, so a wrapped module's
-batches must follow one another on one stream (a replay's args copy is ordered after the previous replay
+batches must follow one another on one stream (a replay's args fetch is ordered after the previous replay
 only there); calling one wrapped module from several streams at once is not supported. The tensors a ragged
 replay reads and writes through pointers are used like any kernel's arguments on the current stream.
 
@@ -53,7 +55,7 @@ from collections import OrderedDict
 
 import torch
 
-from kernels import graph_layout, masked_pack, ragged_pack
+from kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._epoch import param_epoch
@@ -82,39 +84,53 @@ class _StaticLayout:
         return self.grid_mapping, self.block_offsets
 
 
-class _PinnedRing:
-    """A few pinned host buffers used in turn for host->device copies of per-batch metadata: no pinning
-    per call, and a slot is reused only once the copy that last read it has completed (its event). That
-    check is the C-level event query, with a wait only if the copy is still in flight (under cProfile on the
-    H100 host, the `Event.synchronize` it replaced took 20 us per call on copies long done, 2026-11-23)."""
+class _ArgsMailbox:
+    """The pinned ring a graph's first kernel fetches its per-batch args from (kernels/graph_args.py): per
+    batch the host writes a slot (a numpy store), replays, and records the slot's event; a slot is written
+    again only once the replay that read it has completed. No host->device copy is launched: the copy and
+    its event took 15-17 us of host time on the H100 host, a post takes about 3 (short_rows_host_steps.json).
+    The check is the C-level event query, with a wait only if the host is a whole ring of replays ahead
+    (under cProfile on the H100 host, the `Event.synchronize` it replaced took 20 us per call on work long
+    done, 2026-11-23)."""
 
-    def __init__(self, size: int, dtype: torch.dtype, slots: int = 8):
-        self.buffers = [torch.zeros(size, dtype=dtype).pin_memory() for _ in range(slots)]
-        self.arrays = [b.numpy() for b in self.buffers]
+    def __init__(self, n_args: int, device, slots: int = 8):
+        index = torch.device(device).index
+        self.ring = torch.zeros(slots, n_args + 1, dtype=torch.int64).pin_memory()
+        self.array = self.ring.numpy()
+        self.args = torch.zeros(n_args, dtype=torch.int64, device=device)
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)  # [last stamp fetched, replays unposted]
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
-        self.filled = [0] * slots  # entries of each slot that may be non-zero (see write)
-        self.slot = 0
+        self.filled = [0] * slots  # args of each slot that may be non-zero (see post)
+        self.stamp, self.last = 0, ()
+        self.index = torch.cuda.current_device() if index is None else index
 
-    def next(self) -> int:
-        self.slot = (self.slot + 1) % len(self.buffers)
-        if self.used[self.slot]:
-            event_done(self.events[self.slot])
-        return self.slot
-
-    def write(self, slot: int, values: tuple) -> None:
-        """Put `values` at the front of the slot and zeros after them (only where an earlier write left some)."""
-        n, host = len(values), self.arrays[slot]
-        host[:n] = values
+    def post(self, values: tuple) -> int:
+        """Write `values` (zeros after them) into the slot of the next stamp; returns the slot, for `sent`."""
+        stamp = self.stamp + 1
+        slot = stamp % len(self.events)
+        if self.used[slot]:
+            event_done(self.events[slot])
+        n, row = len(values), self.array[slot]
+        if n >= len(row):
+            raise ValueError(f"{n} args do not fit this graph's {len(row) - 1}")
+        row[1 : n + 1] = values
         if self.filled[slot] > n:
-            host[n : self.filled[slot]] = 0
+            row[n + 1 : self.filled[slot] + 1] = 0
         self.filled[slot] = n
+        row[0] = stamp
+        self.last = values
+        return slot
 
-    def copy_to(self, slot: int, dst: torch.Tensor) -> None:
-        """Copy the slot (the whole of it: it was made the size of `dst`) to `dst`, without waiting."""
-        dst.copy_(self.buffers[slot], non_blocking=True)
-        record_event(self.events[slot], dst.device.index)
+    def sent(self, slot: int) -> None:
+        """The replay that fetches `slot` is queued: the stamp is taken, and the slot is free once it completes."""
+        self.stamp += 1
+        record_event(self.events[slot], self.index)
         self.used[slot] = True
+
+    def fetch(self) -> None:
+        """The graph's first node (or an eager run's first kernel): args from the slot of the next stamp."""
+        graph_args.fetch(self.ring, self.args, self.state)
 
 
 _current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)  # (stream_id, device_index, device_type)
@@ -154,7 +170,8 @@ class _RaggedGraph:
     """io="padded": the layout, pack, layers and unpack in the graph; pack reads the caller's padded input
     and unpack writes a fresh output, both through the pointers of the per-batch args (no copy in or out).
     io="values": the layout and the layers, for RaggedTensor inputs (copy values in and out).
-    Per batch, one host->device copy of the args: pointers, strides, sizes and lengths."""
+    Per batch, the args (pointers, strides, sizes and lengths) go through `replay`: a pinned slot the
+    graph's first kernel reads."""
 
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
@@ -169,10 +186,11 @@ class _RaggedGraph:
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
         values = self.values = torch.zeros(rows, D, dtype=dtype, device=device)
         meta = self.meta = torch.zeros(graph_layout.meta_size(batch, programs), dtype=torch.int32, device=device)
-        # all zeros while capturing: no component, so nothing is read or written through its pointers
+        # The warm-up run fetches a posted batch of no components (all zeros), so nothing is read or written
+        # through its pointers; each replay fetches its own batch first (kernels/graph_args.py).
         n_args = masked_pack.MASK_ARGS if io == "mask" else ragged_pack.ARGS_HEAD + batch
-        args = self.args = torch.zeros(n_args, dtype=torch.int64, device=device)
-        self.ring = _PinnedRing(args.numel(), torch.int64)
+        mailbox = self.mailbox = _ArgsMailbox(n_args, device)
+        args = self.args = mailbox.args
         layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
         layout.live = layout.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
         layout.tile_rows = tile_rows
@@ -180,16 +198,18 @@ class _RaggedGraph:
 
         enc_layers, norm, block_m, align = runtime.layers, runtime.norm, config.block_m, config.align
 
-        def layers(v):
-            graph_layout.layout(args, meta, batch, programs, block_m, align)
-            return encoder_values(enc_layers, norm, v, layout, config, causal)
-
         if io == "values":
-            run = lambda: layers(values)  # noqa: E731
+
+            def run():
+                mailbox.fetch()
+                graph_layout.layout(args, meta, batch, programs, block_m, align)
+                return encoder_values(enc_layers, norm, values, layout, config, causal)
+
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width = max_len
 
             def run():
+                mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, 1, from_mask=True)
                 masked_pack.pack_masked(args, values, layout.offsets, batch, width)
                 out = encoder_values(enc_layers, norm, values, layout, config, causal)
@@ -200,19 +220,27 @@ class _RaggedGraph:
             extent = -(-max_len // align) * align
 
             def run():
+                mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
                 ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
                 out = encoder_values(enc_layers, norm, values, layout, config, causal)
                 ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
 
+        slot = mailbox.post(())  # for the warm-up run; the capture itself runs nothing
         _warm_and_capture(self, run, device, pool)
+        mailbox.sent(slot)
         if io == "mask":
             self.pads = self.output
 
-    def _load_args(self, head: tuple, lengths=()) -> None:
-        slot = self.ring.next()
-        self.ring.write(slot, (*head, *lengths))
-        self.ring.copy_to(slot, self.args)
+    def replay(self, values: tuple | None = None) -> None:
+        """Replay on the batch of args `values` (the head, then any lengths; () for no batch, None for the
+        last batch's again: its tensors must still be alive). Every replay must go through here or `run_*`:
+        a bare `graph.replay()` posts nothing, so it takes the next batch posted before it runs, leaving
+        that batch's replay none (kernels/graph_args.py); `mailbox.state[1]` counts such misses."""
+        mailbox = self.mailbox
+        slot = mailbox.post(mailbox.last if values is None else values)
+        self.graph.replay()
+        mailbox.sent(slot)
 
     def _check(self, name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
         if t.dtype != dtype or t.get_device() != self.index or t.stride(-1) != 1 or t.shape != shape:
@@ -244,8 +272,7 @@ class _RaggedGraph:
     def run_padded(self, x: torch.Tensor, lengths) -> torch.Tensor:
         """The output of the batch x (as the module takes it) of host `lengths`; pads are zeros."""
         head, out = self._io(x)
-        self._load_args(head, lengths)
-        self.graph.replay()
+        self.replay((*head, *lengths))
         return out
 
     def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -258,15 +285,13 @@ class _RaggedGraph:
             raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.width} long, got ({B}, {L})")
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
         self._check("mask", mask, (B, L), torch.bool)
-        self._load_args((*head, mask.data_ptr(), *mask.stride()))
-        self.graph.replay()
+        self.replay((*head, mask.data_ptr(), *mask.stride()))
         return out
 
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
-        self._load_args((0, 0, 0, 0, 0, 0, len(lengths), 0), lengths)
         rows = values.shape[0]
         self.values[:rows].copy_(values)
-        self.graph.replay()
+        self.replay((0, 0, 0, 0, 0, 0, len(lengths), 0, *lengths))
         return self.output[:rows].clone()
 
 
@@ -286,13 +311,15 @@ class _PaddedGraph:
         if io == "mask":
             static_mask = self.mask = torch.ones(batch, length, dtype=torch.bool, device=device)  # True = pad
             self._filled_from = length  # mask[:, n:] is all True for every n >= this
-        else:
-            lengths = self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
-            self.ring = _PinnedRing(batch, torch.int32)
-            positions = self.positions = torch.arange(length, dtype=torch.int32, device=device)
+        else:  # the lengths come through a pinned slot the graph's first kernel reads (kernels/graph_args.py)
+            mailbox = self.mailbox = _ArgsMailbox(batch, device)
+            lengths = self.lengths = mailbox.args
+            positions = self.positions = torch.arange(length, dtype=torch.int64, device=device)
         forward, batch_first = runtime.base.forward, self.batch_first
 
         def run():
+            if io != "mask":
+                mailbox.fetch()
             mask = static_mask if io == "mask" else positions[None, :] >= lengths[:, None]
             out = forward(module, x, None, mask, None)
             out = _zero_pads(out, mask, batch_first)
@@ -305,7 +332,10 @@ class _PaddedGraph:
         try:
             if nested is not None:
                 module.use_nested_tensor = False
+            slot = None if io == "mask" else mailbox.post(())  # the warm-up run's (no lengths: all pads)
             _warm_and_capture(self, run, device, pool)
+            if slot is not None:
+                mailbox.sent(slot)
         finally:
             if nested is not None:
                 module.use_nested_tensor = nested
@@ -314,14 +344,13 @@ class _PaddedGraph:
 
     def run(self, x: torch.Tensor, lengths) -> torch.Tensor:
         L = x.shape[1] if self.batch_first else x.shape[0]
-        slot = self.ring.next()
-        self.ring.write(slot, lengths)
-        self.ring.copy_to(slot, self.lengths)
+        slot = self.mailbox.post(lengths)
         if self.batch_first:
             self.x[:, :L].copy_(x)
         else:
             self.x[:L].copy_(x)
         self.graph.replay()
+        self.mailbox.sent(slot)
         return (self.output[:, :L] if self.batch_first else self.output[:L]).clone()
 
     def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -355,17 +384,17 @@ _ROW_MARGIN = 0.01
 
 
 def replay_ms(graphs: list, rounds: int = 2, reps: int = 3) -> list[float]:
-    """GPU ms of `reps` back-to-back replays of each graph (`.graph`), the least of `rounds` interleaved rounds
-    after one warm replay each; the graphs must hold no batch (their args all zero) or a live one."""
+    """GPU ms of `reps` back-to-back replays of each ragged graph on no batch (empty args: every linear on
+    every row, nothing else), the least of `rounds` interleaved rounds after one warm replay each."""
     for g in graphs:
-        g.graph.replay()
+        g.replay(())
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
               for _ in range(rounds)]  # fmt: skip
     for round_events in events:
         for g, (start, end) in zip(graphs, round_events):
             start.record()
             for _ in range(reps):
-                g.graph.replay()
+                g.replay(())
             end.record()
     events[-1][-1][1].synchronize()
     return [min(r[i][0].elapsed_time(r[i][1]) for r in events) / reps for i in range(len(graphs))]

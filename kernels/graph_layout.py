@@ -3,8 +3,8 @@
 A CUDA graph replays fixed launches on fixed buffers, so a ragged graph keeps its layout in one static
 int32 buffer. Building that layout on the host (offsets, prelude) costs tens of microseconds of numpy
 per batch on a slow host, which on a launch-bound batch is latency. Here the graph builds it itself
-from the batch's lengths, which arrive with the rest of the per-batch arguments in one host->device
-copy (see `ragged_pack.ARGS`).
+from the batch's lengths, which arrive with the rest of the per-batch arguments (see `ragged_pack.ARGS`),
+fetched by the graph's first kernel from a pinned slot the host wrote (kernels/graph_args.py).
 
 Shape contracts
     args:   (ARGS_HEAD + batch,) int64 on the device; args[ARGS_HEAD + i] = length of component i

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from autoragged._buckets import ladder, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
-from kernels import graph_layout, ragged_pack
+from kernels import graph_args, graph_layout, ragged_pack
 from kernels.graph_layout import layout_ref as _host_meta
 from kernels.graph_layout import meta_size
 
@@ -93,6 +93,43 @@ def test_layout_kernel_matches_the_reference(device, lengths, batch, align, bloc
     graph_layout.layout(_args(lengths, batch).to(device), meta, batch, programs, block_m, align)
     want, _, _ = _host_meta(lengths, align, block_m, batch, programs)
     assert meta.cpu().numpy().tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("n_args,slots,spare", [(1, 1, 0), (11, 3, 2), (45, 8, 0)])
+def test_graph_args_fetch_follows_the_stamps(device, n_args, slots, spare):
+    """The graph's first kernel takes the slot of the next stamp, over several laps of the ring; a replay
+    with no batch posted gets zero args and a counted miss, and the next posted batch still matches."""
+    ring = torch.zeros(slots, n_args + 1 + spare, dtype=torch.int64)
+    ring = ring.pin_memory() if device == "cuda" else ring
+    args = torch.full((n_args,), -5, dtype=torch.int64, device=device)
+    state = torch.zeros(2, dtype=torch.int64, device=device)
+    ref_args, ref_state = np.full(n_args, -5, dtype=np.int64), np.zeros(2, dtype=np.int64)
+    rng = np.random.default_rng(n_args)
+    stamp = 0
+    for step in range(3 * slots + 4):
+        if step % 4 != 3:  # every fourth replay finds nothing posted (a stale stamp from the previous lap)
+            stamp += 1
+            ring[stamp % slots] = torch.from_numpy(rng.integers(-(2**62), 2**62, ring.shape[1]))
+            ring[stamp % slots, 0] = stamp
+        graph_args.fetch(ring, args, state)
+        graph_args.fetch_ref(ring.numpy(), ref_args, ref_state)
+        assert args.cpu().tolist() == ref_args.tolist() and state.cpu().tolist() == ref_state.tolist()
+        if step % 4 == 3:
+            assert not ref_args.any()
+        else:
+            assert ref_args.tolist() == ring[stamp % slots, 1 : 1 + n_args].tolist()
+    assert ref_state.tolist() == [stamp, (3 * slots + 4) // 4]
+
+
+def test_graph_args_fetch_checks_its_buffers():
+    ring, state = torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most 3 elements"):
+        graph_args.fetch(ring, torch.zeros(4, dtype=torch.int64), state)
+    with pytest.raises(ValueError, match="ring must be a contiguous 2-D int64"):
+        graph_args.fetch(ring.t(), torch.zeros(1, dtype=torch.int64), state)
+    with pytest.raises(ValueError, match="state must be 2 int64"):
+        graph_args.fetch(ring, torch.zeros(3, dtype=torch.int64), state.int())
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

@@ -436,3 +436,38 @@ def test_a_trusted_mask_shape_replays_its_kept_graph_and_notices_what_changed():
     rt_.graphs.clear()
     check(6, hot=False)
     check(6, hot=True)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_queued_replays_each_fetch_their_own_args_from_the_pinned_ring(padded):
+    """The host runs a whole ring of replays ahead of a busy GPU (slots are reused only once their replay
+    completed): each replay still reads its own batch (the ragged graph its pointers and lengths, the padded
+    graph its lengths). A bare replay that runs before the next post fetches nothing and is counted, and
+    the next posted batch still matches."""
+    enc = autoragged.wrap(encoder(), db=False)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    arm, eager_arm = (PADDED_GRAPH, PADDED) if padded else (Arm("ragged_graph", cfg), Arm("ragged", cfg))
+    batches = [[40 - i, 3 + i, 25] for i in range(20)]  # 20 batches > 8 slots, all within the graph
+    run(enc, arm, batches[0], L=40)  # capture
+    graph = next(iter(enc._autoragged.graphs.graphs.values()))
+    replay = graph.run if padded else graph.run_padded
+    xs = [torch.randn(3, 40, D, device="cuda", dtype=torch.float16) for _ in batches]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU: the replays below queue behind it
+    with torch.inference_mode():
+        outs = [replay(x, lengths) for x, lengths in zip(xs, batches)]
+    graph.graph.replay()  # no batch posted: zero args, counted
+    torch.cuda.synchronize()  # (a bare replay still queued when the next batch is posted would take it)
+    with torch.inference_mode():
+        again = replay(xs[0], batches[0])
+    assert graph.mailbox.state.tolist() == [graph.mailbox.stamp, 1]
+    for x, lengths, out in zip(xs, batches, outs):
+        stats = BatchStats.from_lengths(tuple(lengths), padded_len=40)
+        with torch.inference_mode():
+            eager, _ = enc._autoragged._execute(
+                enc, eager_arm, x, x, False, None, None, None, tuple(lengths), 40, stats
+            )
+        tol = 1e-2 if padded else 2e-3  # the padded graph runs PyTorch's plain path, eager its nested one
+        torch.testing.assert_close(real(out, lengths), real(eager, lengths), rtol=tol, atol=tol)
+    torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
