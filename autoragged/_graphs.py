@@ -88,7 +88,7 @@ class _ArgsMailbox:
     """The pinned ring a graph's first kernel fetches its per-batch args from (kernels/graph_args.py): per
     batch the host writes a slot (a numpy store), replays, and records the slot's event; a slot is written
     again only once the replay that read it has completed. No host->device copy is launched: the copy and
-    its event took 15-17 us of host time on the H100 host, a post takes about 3 (short_rows_host_steps.json).
+    its event took 15-17 us of host time on the H100 host, a post 3 (benchmarks/results/short_rows_host_steps*).
     The check is the C-level event query, with a wait only if the host is a whole ring of replays ahead
     (under cProfile on the H100 host, the `Event.synchronize` it replaced took 20 us per call on work long
     done, 2026-11-23)."""
