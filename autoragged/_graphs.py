@@ -102,7 +102,7 @@ class _ArgsMailbox:
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
         self.filled = [0] * slots  # args of each slot that may be non-zero (see post)
-        self.stamp, self.last = 0, ()
+        self.stamp, self.last, self.newest = 0, (), None
         self.index = torch.cuda.current_device() if index is None else index
 
     def post(self, values: tuple) -> int:
@@ -127,6 +127,18 @@ class _ArgsMailbox:
         self.stamp += 1
         record_event(self.events[slot], self.index)
         self.used[slot] = True
+        self.newest = slot
+
+    def __del__(self):
+        """Keep the ring until the last replay that may read it has completed: PyTorch's pinned allocator
+        hands a freed block out again at once (it waits only for copies it saw, not for a kernel's reads),
+        and a graph dropped with replays still queued (`clear()`, parameters moved) would otherwise have
+        them read whatever the next pinned allocation wrote there."""
+        if self.newest is not None:
+            try:
+                event_done(self.events[self.newest])  # replays complete in stream order: the newest is last
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; nothing is queued then
+                pass
 
     def fetch(self) -> None:
         """The graph's first node (or an eager run's first kernel): args from the slot of the next stamp."""
