@@ -133,7 +133,8 @@ class _ArgsMailbox:
         """Keep the ring until the last replay that may read it has completed: PyTorch's pinned allocator
         hands a freed block out again at once (it waits only for copies it saw, not for a kernel's reads),
         and a graph dropped with replays still queued (`clear()`, parameters moved) would otherwise have
-        them read whatever the next pinned allocation wrote there."""
+        them read whatever the next pinned allocation wrote there. A wait happens only if that replay is still
+        queued: at a drop, off the steady hot path (an eviction comes after a capture, which synchronised)."""
         if self.newest is not None:
             try:
                 event_done(self.events[self.newest])  # replays complete in stream order: the newest is last

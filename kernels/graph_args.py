@@ -4,7 +4,8 @@ A ragged graph reads its batch (pointers, strides, sizes, lengths) from a static
 the device. Filling that buffer with a host->device copy per batch took 15-17 us of host time on the H100
 host, and 34 us with the replay against 5-8 us for the replay alone (benchmarks/results/
 short_rows_host_steps_stop19.json, 2026-11-23): torch's copy dispatch and the event guarding the pinned
-slot. Posting into the ring took 3.1 us, and posting then replaying 12.6 (short_rows_host_steps.json).
+slot. Posting into the ring took 3.1-3.7 us, and posting then replaying 12.6-20.6 (CoLA and MRPC B=32,
+short_rows_host_steps.json).
 Here the host writes the batch into a slot of a pinned ring (a numpy store) and replays; the graph's
 first kernel reads the slot over PCIe and writes `args`.
 
