@@ -220,7 +220,10 @@ class _PadsRing:
         B = pads.shape[0]
         if B > self.width:  # records still pending keep views of the old buffer, which is never written again
             self.width = max(B, 2 * self.width)
-            self.host = torch.full((self.slots, self.width), -1, dtype=torch.int32).pin_memory()
+            # a plain tensor whatever mode this call is in: a buffer made under inference_mode is an inference
+            # tensor, and the copies and fills of later calls under no_grad would raise
+            with torch.inference_mode(False):
+                self.host = torch.full((self.slots, self.width), -1, dtype=torch.int32).pin_memory()
             self.views = {}
             self.owners = [None] * self.slots
         self.i = i = (self.i + 1) % self.slots

@@ -197,6 +197,17 @@ def test_parameter_updates_reach_the_replay():
     replaced, _ = run(enc, arm, [30, 12])
     eager, _ = run(enc, Arm("ragged", cfg), [30, 12])
     torch.testing.assert_close(real(replaced, [30, 12]), real(eager, [30, 12]), rtol=2e-3, atol=2e-3)
+    # one parameter's storage swapped under the same Parameter (no re-registration): only the storage check
+    # sees it, whichever way it runs (PyTorch's C++ check where the build has it)
+    run(enc, arm, [30, 12])
+    generation = enc._autoragged.graphs.generation
+    with torch.no_grad():
+        enc.layers[1].norm2.bias.data = enc.layers[1].norm2.bias.data + 0.25
+    swapped, _ = run(enc, arm, [30, 12])
+    eager, _ = run(enc, Arm("ragged", cfg), [30, 12])
+    assert enc._autoragged.graphs.generation == generation + 1  # the graphs were dropped
+    torch.testing.assert_close(real(swapped, [30, 12]), real(eager, [30, 12]), rtol=2e-3, atol=2e-3)
+    assert not torch.allclose(real(swapped, [30, 12]), real(replaced, [30, 12]))
 
 
 def test_replay_with_host_lengths_never_syncs():
@@ -471,3 +482,44 @@ def test_queued_replays_each_fetch_their_own_args_from_the_pinned_ring(padded):
         tol = 1e-2 if padded else 2e-3  # the padded graph runs PyTorch's plain path, eager its nested one
         torch.testing.assert_close(real(out, lengths), real(eager, lengths), rtol=tol, atol=tol)
     torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
+    """Calls alternate inference_mode, no_grad and inference_mode(False) + no_grad over more batches than the
+    pads ring has slots: state made by a call in one mode (the pinned pads ring, the static buffers, the args
+    ring) is written by calls in another, on the general path and on a trusted shape's hot path."""
+    from autoragged import _dispatch as dispatch
+
+    enc = encoder()
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    rt_ = enc._autoragged
+    rt_.graph_min_seen = 1
+    B, L = 4, 48
+    arm = Arm("ragged_graph", graph_config(D // H, L, "triton")) if ragged else PADDED_GRAPH
+    rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 120)
+    modes = [torch.inference_mode, torch.no_grad, lambda: torch.inference_mode(False)]
+    g = torch.Generator().manual_seed(0)
+    totals = []
+    for i in range(70):
+        lengths = torch.randint(1, L + 1, (B,), generator=g)
+        mask = (torch.arange(L)[None, :] >= lengths[:, None]).cuda()
+        x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
+        with modes[i % 3](), torch.no_grad():
+            y = enc(x, src_key_padding_mask=mask)
+        totals.append(int(lengths.sum()))
+        # an output as eager PyTorch's would be: an inference tensor only under inference_mode (the outputs made
+        # ahead of the next call are made in that call's mode), and one the caller may write in place
+        assert y.is_inference() == (i % 3 == 0)
+        if i % 3:
+            y.add_(0)
+        if i % 10 == 0:
+            with torch.inference_mode():
+                want = rt_.base.forward(enc, x, None, mask, None)
+            keep = ~mask
+            torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
+            assert (y[mask] == 0).all()
+    decisions = autoragged.recent_decisions(enc, 70)
+    assert [d.stats.total for d in decisions] == totals  # every record kept its stats (the pads ring's copies)
+    assert sum("not read" in d.reason for d in decisions) >= 60  # every 16th call reads its lengths again
+    assert rt_.mask_shapes[(B, L)][6] is not None  # the shape kept its graph: the later calls took the hot path
