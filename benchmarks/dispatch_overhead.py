@@ -4,7 +4,8 @@
 
 The wrapped CoRa encoder's runtime is called directly with its arm execution replaced by a no-op, on
 batches of CoRa lengths (new lengths every call, so layouts and stats are fresh; the planner's decision
-cache sees the realistic hit rate). Modes: host `lengths=`, a RaggedTensor input, a key padding mask
+cache sees the realistic hit rate). Modes: host `lengths=` (also with the model frozen and grad mode on,
+as a frozen encoder is called in a training loop without torch.no_grad), a RaggedTensor input, a key padding mask
 (on the GPU when there is one: then the cost includes the mask reduction and its one device->host copy),
 and a mask of a (B, L) shape the padded side keeps winning, whose lengths are not read (the cost then
 includes the deferred stats: one device->host copy into pinned memory and an event, no sync).
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 modes = {
                     "lengths=": [(x, None, lens) for lens in draws],
+                    "lengths=, frozen, grad mode on": [(x, None, lens) for lens in draws],
                     "RaggedTensor": [(RaggedTensor.from_padded(x, lens), None, None) for lens in draws],
                     f"mask on {dev.type}": [(x, mask(lens), None) for lens in draws],
                     f"mask on {dev.type}, not read": [(x, mask(lens), None) for lens in draws],
@@ -89,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
                         runtime.mask_shapes[(batch, L)] = _shape_entry(10**9, PADDED, {"padded": 1.0})
                     else:  # every mask is read (the shape is never trusted)
                         runtime._judge_shape = lambda *a: _shape_entry()  # (a streak of 0)
-                    with torch.no_grad():
+                    # a frozen model called without torch.no_grad: the autograd check reads every parameter's flag
+                    frozen = "frozen" in mode
+                    model.requires_grad_(not frozen)
+                    with torch.enable_grad() if frozen else torch.no_grad():
                         measure(runtime, model, inputs, 2000)  # warm: planner, caches
                         us = measure(runtime, model, inputs, args.calls)
+                    model.requires_grad_(True)
                     us.sort()
                     rows.append({
                         "batch": batch, "dataset": dataset, "mode": mode,

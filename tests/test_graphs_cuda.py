@@ -486,30 +486,32 @@ def test_queued_replays_each_fetch_their_own_args_from_the_pinned_ring(padded):
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
-    """Calls alternate inference_mode, no_grad and inference_mode(False) + no_grad over more batches than the
-    pads ring has slots: state made by a call in one mode (the pinned pads ring, the static buffers, the args
-    ring) is written by calls in another, on the general path and on a trusted shape's hot path."""
+    """Calls alternate inference_mode, no_grad and plain grad mode (a frozen model: no parameter needs grad)
+    over more batches than the pads ring has slots: state made by a call in one mode (the pinned pads ring,
+    the static buffers, the args ring) is written by calls in another, on the general path and on a trusted
+    shape's hot path."""
     from autoragged import _dispatch as dispatch
 
-    enc = encoder()
+    enc = encoder().requires_grad_(False)
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
     rt_.graph_min_seen = 1
     B, L = 4, 48
     arm = Arm("ragged_graph", graph_config(D // H, L, "triton")) if ragged else PADDED_GRAPH
     rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 120)
-    modes = [torch.inference_mode, torch.no_grad, lambda: torch.inference_mode(False)]
+    modes = [torch.inference_mode, torch.no_grad, torch.enable_grad]
     g = torch.Generator().manual_seed(0)
     totals = []
     for i in range(70):
         lengths = torch.randint(1, L + 1, (B,), generator=g)
         mask = (torch.arange(L)[None, :] >= lengths[:, None]).cuda()
         x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
-        with modes[i % 3](), torch.no_grad():
+        with modes[i % 3]():
             y = enc(x, src_key_padding_mask=mask)
+            assert not y.requires_grad
         totals.append(int(lengths.sum()))
-        # an output as eager PyTorch's would be: an inference tensor only under inference_mode (the outputs made
-        # ahead of the next call are made in that call's mode), and one the caller may write in place
+        # an output as eager PyTorch's would be: an inference tensor only under inference_mode, and one the caller
+        # may write in place
         assert y.is_inference() == (i % 3 == 0)
         if i % 3:
             y.add_(0)

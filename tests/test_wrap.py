@@ -513,3 +513,27 @@ def test_deferred_stats_wait_on_the_pinned_slot_not_on_a_cuda_call():
     finally:
         lands.join()
     assert (stats.batch, stats.total, stats.max_len) == (3, 8 + 10 + 5, 10)
+
+
+def test_a_frozen_model_under_grad_mode_runs_ragged_until_a_parameter_needs_grad():
+    """Grad mode on with no parameter that needs grad (a frozen encoder, no torch.no_grad): nothing to
+    differentiate, so the ragged arm may run. The flags are read every batch (the parameter list is kept), so
+    unfreezing one parameter, or registering a new one that needs grad, sends the next batch padded."""
+    enc = make_encoder().requires_grad_(False)
+    autoragged.wrap(enc, db=False, policy="ragged")
+    x, mask = batch(LENGTHS, 64, "cpu")
+
+    def arm():
+        y = enc(x, src_key_padding_mask=mask)
+        d = autoragged.recent_decisions(enc, 1)[0]
+        return d.arm, y.requires_grad
+
+    assert arm() == ("ragged", False)
+    enc.layers[1].linear2.bias.requires_grad_(True)  # a flag flipped in place: no re-registration
+    assert arm() == ("padded", True)
+    enc.layers[1].linear2.bias.requires_grad_(False)
+    assert arm() == ("ragged", False)
+    enc.layers[0].norm1.weight = nn.Parameter(torch.ones(64))  # re-registered, needs grad
+    assert arm() == ("padded", True)
+    d = autoragged.recent_decisions(enc, 1)[0]
+    assert "autograd" in d.reason
