@@ -98,6 +98,12 @@ _DISPATCHING = {
 _BASE = {v: k for k, v in _DISPATCHING.items()}
 
 
+def _layer_dict(module: nn.Module):
+    """The `_modules` dict of an encoder's layer list (None for a layer): `del layers[i]` replaces it."""
+    layers = module._modules.get("layers") if isinstance(module, nn.TransformerEncoder) else None
+    return layers._modules if layers is not None else None
+
+
 def signature_of(module: nn.Module) -> ModuleSignature:
     """The cost-relevant shape of an encoder or encoder layer ("unknown" parts for exotic layers)."""
     if isinstance(module, nn.TransformerEncoder):
@@ -286,6 +292,10 @@ class _Runtime:
         self.hook_dicts = [m._forward_hooks for m in watched] + [m._forward_pre_hooks for m in watched]
         self.sig = signature_of(module)
         self.sig_key = self.sig.key
+        # the structure all of the above was derived from: a change re-binds the module (`_restructured`)
+        self._bound_epoch, self._bound_modules = param_epoch(), tuple(module.modules())
+        self._bound_layers = _layer_dict(module)
+        self._bound_count = len(self._bound_layers) if self._bound_layers is not None else 0
         self.ring: deque[_Record] = deque(maxlen=_RING)
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
@@ -308,8 +318,35 @@ class _Runtime:
                      pads_ring=None, sync_samples=deque(maxlen=16))  # fmt: skip
         return state
 
+    def _restructured(self, module) -> bool:
+        """True if the module's structure changed since this runtime was bound to it (a layer replaced,
+        added, removed, a norm or a submodule swapped): then the module is bound to a fresh runtime (its
+        layers, support check, signature, hooks watched, graphs and planners made anew; the decision
+        history kept), which takes the call. The layers the ragged arms run would otherwise be the old ones.
+        Called when the registration epoch moved or the encoder's layer dict changed (see `run`)."""
+        modules = tuple(module.modules())
+        layers = _layer_dict(module)
+        if modules == self._bound_modules:
+            self._bound_epoch, self._bound_layers = param_epoch(), layers
+            self._bound_count = len(layers) if layers is not None else 0
+            return False
+        self._harvest(wait=True)  # sampled batches still in flight get their timings recorded
+        fresh = _Runtime(module, self.policy, self.db_path, self.sample_every, self.explore, self.validate_lengths,
+                         self.forced_config, self.graphs_enabled, self.graph_cap)  # fmt: skip
+        fresh.graph_min_seen, fresh.ring = self.graph_min_seen, self.ring
+        module._autoragged = fresh
+        log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
+        return True
+
     # -- the hot path -------------------------------------------------------------------------
     def run(self, module, src, attn_mask, kpm, is_causal, lengths):
+        layers = self._bound_layers
+        if self._bound_epoch != param_epoch() or (layers is not None and (
+            module._modules.get("layers") is None or module._modules["layers"]._modules is not layers
+            or len(layers) != self._bound_count
+        )):  # fmt: skip
+            if self._restructured(module):
+                return module._autoragged.run(module, src, attn_mask, kpm, is_causal, lengths)
         # a mask alone, of a trusted shape whose graph is kept: `_replay_unread`
         if lengths is None and attn_mask is None and not is_causal and isinstance(kpm, torch.Tensor):
             shape = self.mask_shapes.get(kpm.shape)

@@ -525,3 +525,35 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
     assert [d.stats.total for d in decisions] == totals  # every record kept its stats (the pads ring's copies)
     assert sum("not read" in d.reason for d in decisions) >= 60  # every 16th call reads its lengths again
     assert rt_.mask_shapes[(B, L)][6] is not None  # the shape kept its graph: the later calls took the hot path
+
+
+def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
+    """A trusted mask shape replays its graph on the hot path; a layer replaced in the encoder (new module,
+    new weights) re-binds the module, so the next batch runs the new layer, not the captured old one."""
+    from autoragged import _dispatch as dispatch
+
+    enc = encoder()
+    autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
+    B, L = 4, 50
+    arm = Arm("ragged_graph", graph_config(D // H, L, "triton"))
+    x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
+    mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor([50, 20, 7, 33], device="cuda")[:, None]
+    keep = ~mask
+
+    def trusted_calls(n):
+        rt_ = enc._autoragged
+        rt_.graph_min_seen = 1
+        if (B, L) not in rt_.mask_shapes:
+            rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100)
+        with torch.inference_mode():
+            ys = [enc(x, src_key_padding_mask=mask) for _ in range(n)]
+            want = dispatch._BASE[type(enc)].forward(enc, x, src_key_padding_mask=mask)
+        for y in ys:
+            torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
+        return ys[-1]
+
+    before = trusted_calls(4)
+    assert enc._autoragged.mask_shapes[(B, L)][6] is not None  # the hot path's graph is kept
+    enc.layers[1] = encoder().layers[0]  # other weights, a new module
+    after = trusted_calls(4)
+    assert not torch.allclose(before[keep].float(), after[keep].float(), atol=1e-2)

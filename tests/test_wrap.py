@@ -326,7 +326,9 @@ def test_decisions_are_logged(caplog):
 
 
 class _Prefers:
-    """A cost model that makes one side cheapest (the padded arms, or the ragged ones)."""
+    """A cost model that makes one side cheapest (the padded arms, or the ragged ones), by far more than a
+    mask read's host time: the read is timed, and the padded side wins when it beats the other side plus the
+    read (with a gap of 1 ms, a busy CI host's slow first reads once made the padded side win)."""
 
     name = "fake"
 
@@ -334,7 +336,7 @@ class _Prefers:
         self.padded = padded
 
     def predict_ms(self, sig, stats, arms):
-        return np.array([1.0 if arm.kind.startswith("padded") == self.padded else 2.0 for arm in arms])
+        return np.array([1.0 if arm.kind.startswith("padded") == self.padded else 1000.0 for arm in arms])
 
 
 def _with_model(enc, model):
@@ -537,3 +539,43 @@ def test_a_frozen_model_under_grad_mode_runs_ragged_until_a_parameter_needs_grad
     assert arm() == ("padded", True)
     d = autoragged.recent_decisions(enc, 1)[0]
     assert "autograd" in d.reason
+
+
+CHANGES = ["replace", "delete", "insert", "append", "reassign", "norm", "sublayer", "none"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_structure_change_after_wrap_is_what_the_ragged_arm_runs(change):
+    """Layers replaced, removed, inserted or appended, the layer list or the norm reassigned, a sublayer swapped
+    after wrap(): the next batch's ragged arm runs the module as it is now (it is bound anew, keeping its
+    decision history), as PyTorch's own forward does. A module made elsewhere changes nothing."""
+    torch.manual_seed(0)
+    enc = make_encoder(layers=3, final_norm=True)
+    autoragged.wrap(enc, db=False, policy="ragged")
+    x, mask = batch(LENGTHS, 64, "cpu")
+    runtime = enc._autoragged
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
+        new = make_encoder(layers=1).layers[0]  # other weights
+        if change == "replace":
+            enc.layers[1] = new
+        elif change == "delete":
+            del enc.layers[1]
+        elif change == "insert":
+            enc.layers.insert(1, new)
+        elif change == "append":
+            enc.layers.append(new)
+        elif change == "reassign":
+            enc.layers = nn.ModuleList([enc.layers[2], enc.layers[0]])
+        elif change == "norm":
+            enc.norm = None
+        elif change == "sublayer":
+            enc.layers[0].linear2 = nn.Linear(96, 64)
+        enc.num_layers = len(enc.layers)
+        y = enc(x, src_key_padding_mask=mask)
+        want = nn.TransformerEncoder.forward(enc, x, src_key_padding_mask=mask)
+        want64 = nn.TransformerEncoder.forward(copy.deepcopy(enc).double(), x.double(), src_key_padding_mask=mask)
+    assert (enc._autoragged is runtime) == (change == "none")
+    decisions = autoragged.recent_decisions(enc, 10)
+    assert [d.arm for d in decisions] == ["ragged", "ragged"]  # the history kept, the new structure run ragged
+    assert_within_torch_error(real_tokens(y, LENGTHS), real_tokens(want, LENGTHS), real_tokens(want64, LENGTHS), change)
