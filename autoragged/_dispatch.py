@@ -526,7 +526,7 @@ class _Runtime:
             return None
         if self.static_reason or self._dynamic_reason(module, x, None, kpm, None) is not None:
             return None
-        graphs._check_params(module)
+        graphs._check_params(self._parameters(module))
         graph = ref()
         if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
             return None
@@ -616,9 +616,10 @@ class _Runtime:
             RECORDER.add(self.db_path, record.device, record, measurement)
 
     def _parameters(self, module) -> list[nn.Parameter]:
-        """The module's parameters, re-listed only when any parameter was re-registered: a frozen model called
-        with grad mode on (no torch.no_grad) walked its module tree on every batch, 143 us on the CoRa encoder
-        on a CPU host, against 8 us for reading the flags of the kept list. The flags are read every batch."""
+        """The module's parameters, re-listed only when a parameter or module was registered anywhere
+        (`param_epoch`). Read on every batch: their requires_grad flags by the autograd check (a frozen model
+        called with grad mode on walked its module tree per batch before, 143 us on the CoRa encoder on a CPU
+        host, against 8 us for the flags of the kept list), their storage by the graph cache."""
         if self._params_epoch != param_epoch():
             self._params, self._params_epoch = list(module.parameters()), param_epoch()
         return self._params

@@ -58,7 +58,6 @@ import torch
 from kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
-from ._epoch import param_epoch
 from ._ragged import _zero_pads
 
 __all__ = ["GraphCache", "record_event", "event_done"]
@@ -173,9 +172,9 @@ def event_done(event: torch.cuda.Event) -> None:
         event.synchronize()
 
 
-# Parameters re-registered anywhere bump `param_epoch()`; a GraphCache then re-lists its module's
-# parameters (slow) before checking their storage (fast), which also catches storage swapped under an
-# existing Parameter (`.data = ...`, `.to()`).
+# A GraphCache checks the storage of its module's parameters on every replay (the list comes from the
+# runtime, re-listed only when a parameter or module was registered): this catches storage swapped under an
+# existing Parameter too (`.data = ...`, `.to()`).
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -452,8 +451,6 @@ class GraphCache:
         self.pool = None
         self.captures = 0  # graphs captured so far (a call that captured is not a timing sample)
         self._ptrs: tuple[int, ...] | None = None
-        self._params: list[torch.Tensor] | None = None
-        self._epoch = -1
         # bumped whenever a graph leaves the cache (evicted, cleared, dropped for moved parameters): a caller
         # that kept a weak reference to a graph with the generation it saw may replay it without a lookup
         # while the generation holds (the dispatcher's trusted mask shapes)
@@ -462,14 +459,13 @@ class GraphCache:
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
-        self._ptrs = self._params = None
+        self._ptrs = None
         self.pool = None  # a pool whose graphs are all gone must not be captured into again
         self.generation += 1
 
-    def _check_params(self, module) -> None:
-        if self._epoch != param_epoch() or self._params is None:
-            self._params, self._epoch = list(module.parameters()), param_epoch()
-        ptrs = tuple(map(_data_ptr, self._params))
+    def _check_params(self, params: list[torch.Tensor]) -> None:
+        """Drop the graphs if any of the module's parameters (`_Runtime._parameters`) moved to new storage."""
+        ptrs = tuple(map(_data_ptr, params))
         if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
             self.graphs.clear()
@@ -510,7 +506,7 @@ class GraphCache:
         return graph, None
 
     def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):
-        self._check_params(module)
+        self._check_params(runtime._parameters(module))
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
         return self._get(key, lambda: self._ragged_rows(runtime, module, config, causal, key[1:], dtype, device))
 
@@ -548,7 +544,7 @@ class GraphCache:
         `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture."""
         if config.backend != "triton":
             raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
-        self._check_params(module)
+        self._check_params(runtime._parameters(module))
         width = padded_bucket(batch, seq_len)[1]
         key = ("ragged", batch * width, batch, width, config, causal, "mask")
         return self._get(
@@ -556,6 +552,6 @@ class GraphCache:
         )
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths"):
-        self._check_params(module)
+        self._check_params(runtime._parameters(module))
         key = ("padded", *padded_bucket(batch, seq_len), io)
         return self._get(key, lambda: _PaddedGraph(runtime, module, key, dtype, device, self.pool))

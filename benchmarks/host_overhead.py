@@ -61,6 +61,7 @@ def main() -> int:
     layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
     enc = torch.nn.TransformerEncoder(layer, 6).to(dev, torch.float16).eval()
     cache = GraphCache()
+    params = list(enc.parameters())  # the runtime keeps this list (re-made when anything registers)
     mask = torch.arange(37, device=dev)[None, :] >= torch.tensor(lengths, device=dev)[:, None]
     meta_static = torch.zeros(meta_size(32, 64), dtype=torch.int32, device=dev)
 
@@ -80,7 +81,7 @@ def main() -> int:
         ("PyTorch padded encoder layer (eager)", lambda: layer.to(dev, torch.float16).eval()(padded)),
         ("graph metadata on the host (numpy; graphs now build it)", lambda: _host_meta(lengths, 1, 64, 32, 64)),
         ("metadata on the host + pinned copy", pinned_meta_copy),
-        ("parameter-storage check (6 layers)", lambda: cache._check_params(enc)),
+        ("parameter-storage check (6 layers)", lambda: cache._check_params(params)),
         ("lengths from a CUDA mask (one copy)", lambda: mask_lengths(mask)),
     ]  # fmt: skip
     out = []
