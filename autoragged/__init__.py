@@ -1,4 +1,4 @@
-"""autoragged: per-batch choice between padded and padding-free execution of transformer encoders.
+"""autoragged: per-batch choice between padded and padding-free execution of transformer models.
 
     model = autoragged.wrap(model)            # same call signature as before
     y = model(x, src_key_padding_mask=mask)   # each batch goes to the predicted-fastest arm
@@ -6,30 +6,77 @@
 Public modules: `autoragged.ops` (ragged kernels on RaggedTensors), `autoragged.nn` (ragged encoder
 modules), `autoragged.packing` (token-budget batching), `autoragged.workloads` (length distributions),
 `autoragged.tune` and `autoragged.report` (command-line entry points, `python -m ...`).
+
+The repository's `kernels/` and `tuning_db/` folders are installed as `autoragged.kernels` and
+`autoragged.tuning_db` (`kernels` is the import name of HuggingFace's hub-kernels package). Attributes
+are imported on first use, so `import autoragged.tuning_db` pulls in no torch.
 """
 
-from kernels._config import KernelConfig
-from tuning_db.records import BatchStats, Decision, Measurement, ModuleSignature
+from __future__ import annotations
 
-from . import nn, ops
-from ._dispatch import flush, recent_decisions, unwrap, wrap
-from ._ragged import RaggedTensor, lengths_from_mask, restore_padding, strip_padding
+import importlib
+import importlib.util
+import os
+import sys
 
-__all__ = [
-    "RaggedTensor",
-    "KernelConfig",
-    "BatchStats",
-    "Decision",
-    "Measurement",
-    "ModuleSignature",
-    "lengths_from_mask",
-    "strip_padding",
-    "restore_padding",
-    "wrap",
-    "unwrap",
-    "recent_decisions",
-    "flush",
-    "nn",
-    "ops",
-]
 __version__ = "0.1.0"
+
+
+class _CheckoutFinder:
+    """Finds `autoragged.kernels` / `autoragged.tuning_db` in a source checkout that was not installed (the
+    repository root on sys.path, as on a machine that runs the tree as it is): there they are the
+    repository's top-level folders, not folders inside this package."""
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        name = fullname.partition("autoragged.")[2]
+        if fullname.startswith("autoragged.") and name in ("kernels", "tuning_db"):
+            folder = os.path.join(cls.root, name)
+            return importlib.util.spec_from_file_location(
+                fullname, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+            )
+        return None
+
+
+if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.path.isfile(
+    os.path.join(_CheckoutFinder.root, "kernels", "_config.py")
+):
+    if not any(f is _CheckoutFinder for f in sys.meta_path):
+        sys.meta_path.insert(0, _CheckoutFinder)  # before an editable install's finder of another tree
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "RaggedTensor": ("._ragged", "RaggedTensor"),
+    "lengths_from_mask": ("._ragged", "lengths_from_mask"),
+    "strip_padding": ("._ragged", "strip_padding"),
+    "restore_padding": ("._ragged", "restore_padding"),
+    "KernelConfig": (".kernels._config", "KernelConfig"),
+    "BatchStats": (".tuning_db.records", "BatchStats"),
+    "Decision": (".tuning_db.records", "Decision"),
+    "Measurement": (".tuning_db.records", "Measurement"),
+    "ModuleSignature": (".tuning_db.records", "ModuleSignature"),
+    "wrap": ("._dispatch", "wrap"),
+    "unwrap": ("._dispatch", "unwrap"),
+    "recent_decisions": ("._dispatch", "recent_decisions"),
+    "flush": ("._dispatch", "flush"),
+    "nn": (".nn", None),
+    "ops": (".ops", None),
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'autoragged' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import autoragged
-    from kernels._config import interpreting
-    from kernels._triton import HAS_TRITON
+    from .kernels._config import interpreting
+    from .kernels._triton import HAS_TRITON
 
     if torch.cuda.is_available():
         device = f"cuda: {torch.cuda.get_device_name()}"

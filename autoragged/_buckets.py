@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
-from kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
+from .kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
 
 __all__ = ["ladder", "ragged_bucket", "padded_bucket", "LADDER_VERSION"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels._config import KernelConfig
-from tuning_db.records import BatchStats, DeviceKey, ModuleSignature
+from .kernels._config import KernelConfig
+from .tuning_db.records import BatchStats, DeviceKey, ModuleSignature
 
 from ._buckets import padded_bucket, ragged_bucket
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels._config import KernelConfig
-from tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
+from .kernels._config import KernelConfig
+from .tuning_db import BatchStats, Decision, Measurement, ModuleSignature, default_path
 
 from ._buckets import LADDER_VERSION
 from ._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm

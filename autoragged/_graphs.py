@@ -55,7 +55,7 @@ from collections import OrderedDict
 
 import torch
 
-from kernels import graph_args, graph_layout, masked_pack, ragged_pack
+from .kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
 from ._buckets import padded_bucket, ragged_bucket
 from ._ragged import _zero_pads

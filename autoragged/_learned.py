@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tuning_db import DatabaseError, DeviceKey, ModuleSignature
+from .tuning_db import DatabaseError, DeviceKey, ModuleSignature
 
 from ._costmodel import FEATURE_VERSION
 

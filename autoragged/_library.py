@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op, wrap_triton
 
-from kernels import ragged_add_layer_norm as k_ln
-from kernels import ragged_attention as k_attn
-from kernels import ragged_bmm as k_bmm
-from kernels import ragged_linear as k_lin
-from kernels._config import KernelConfig
+from .kernels import ragged_add_layer_norm as k_ln
+from .kernels import ragged_attention as k_attn
+from .kernels import ragged_bmm as k_bmm
+from .kernels import ragged_linear as k_lin
+from .kernels._config import KernelConfig
 
 _ACTIVATIONS = {0: None, 1: "relu", 2: "gelu"}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tuning_db.records import BatchStats, ModuleSignature
+from .tuning_db.records import BatchStats, ModuleSignature
 
 from ._costmodel import Arm
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels._config import KernelConfig
-from tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
+from .kernels._config import KernelConfig
+from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 
 from ._buckets import LADDER_VERSION
 from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels import ragged_attention as k_attn
-from kernels._config import KernelConfig
-from tuning_db.records import BatchStats, ModuleSignature
+from .kernels import ragged_attention as k_attn
+from .kernels._config import KernelConfig
+from .tuning_db.records import BatchStats, ModuleSignature
 
 from ._costmodel import PADDED, Arm
 

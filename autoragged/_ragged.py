@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kernels import ragged_pack
+from .kernels import ragged_pack
 
 from ._backend import host_to_device, use_triton
 from ._layout import Layout, as_lengths, check_align

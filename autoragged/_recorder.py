@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
+from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
 
 __all__ = ["RECORDER", "Recorder"]
 

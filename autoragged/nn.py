@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels._config import KernelConfig
-from kernels.ragged_attention import HEAD_DIMS
+from .kernels._config import KernelConfig
+from .kernels.ragged_attention import HEAD_DIMS
 
 from ._layout import Layout
 from ._ragged import RaggedTensor, _zero_gaps

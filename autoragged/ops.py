@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from kernels import ragged_add_layer_norm as k_ln
-from kernels import ragged_attention as k_attn
-from kernels import ragged_bmm as k_bmm
-from kernels import ragged_linear as k_lin
-from kernels._config import KernelConfig
+from .kernels import ragged_add_layer_norm as k_ln
+from .kernels import ragged_attention as k_attn
+from .kernels import ragged_bmm as k_bmm
+from .kernels import ragged_linear as k_lin
+from .kernels._config import KernelConfig
 
 from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
 from ._backend import use_triton

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels._config import KernelConfig
-from tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
+from .kernels._config import KernelConfig
+from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
 
 from ._costmodel import FEATURE_VERSION
 from ._planner import bucket_key

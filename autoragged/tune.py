@@ -146,7 +146,7 @@ def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
 
 
 def _suggest(trial):
-    from kernels._config import KernelConfig
+    from .kernels._config import KernelConfig
 
     return KernelConfig(**{k: trial.suggest_categorical(k, v) for k, v in SPACE.items()})
 
@@ -155,8 +155,8 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
     import torch
 
-    from kernels import ragged_attention as k_attn
-    from tuning_db import BatchStats, Measurement
+    from .kernels import ragged_attention as k_attn
+    from .tuning_db import BatchStats, Measurement
 
     from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
@@ -286,7 +286,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
         encoders = []
         for name in names:
             n = SIGNATURES[name]
-            from tuning_db import ModuleSignature
+            from .tuning_db import ModuleSignature
 
             sig = ModuleSignature(
                 "encoder", n.layers, n.d_model, n.heads, n.ff, n.activation, False, n.dtype, nested=True
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from tuning_db import DatabaseError, TuningDB
+    from .tuning_db import DatabaseError, TuningDB
 
     from ._device import device_key
 

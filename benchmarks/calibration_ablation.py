@@ -40,7 +40,7 @@ from autoragged._model import (  # noqa: E402
     held_out_predictions,
 )
 from benchmarks._common import table, write_json  # noqa: E402
-from tuning_db import TuningDB  # noqa: E402
+from autoragged.tuning_db import TuningDB  # noqa: E402
 
 
 def family_of(label: str) -> str:

@@ -49,8 +49,8 @@ from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, matmul_peak_tflops, require_cuda, table, write_json  # noqa: E402
-from kernels._config import KernelConfig  # noqa: E402
-from tuning_db import BatchStats  # noqa: E402
+from autoragged.kernels._config import KernelConfig  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 DEFAULT_COLUMNS = [
     "padded_nofast",

@@ -27,7 +27,7 @@ from autoragged._measure import ArmRunner, build_encoder, make_batch  # noqa: E4
 from autoragged._planner import graph_config  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.short_rows import gpu_ms  # noqa: E402
-from tuning_db import BatchStats, ModuleSignature  # noqa: E402
+from autoragged.tuning_db import BatchStats, ModuleSignature  # noqa: E402
 
 PLAN = {
     "encoder:6x512/8h/ff2048:relu:post:float16:nested": (600, 1500, 3000, 6000, 12000, 24000, 45000),

@@ -24,11 +24,11 @@ from autoragged import RaggedTensor  # noqa: E402
 from autoragged._graphs import GraphCache  # noqa: E402
 from autoragged._ragged import mask_lengths  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
-from kernels import ragged_add_layer_norm as k_ln  # noqa: E402
-from kernels import ragged_attention as k_attn  # noqa: E402
-from kernels import ragged_pack  # noqa: E402
-from kernels.graph_layout import layout_ref as _host_meta  # noqa: E402
-from kernels.graph_layout import meta_size  # noqa: E402
+from autoragged.kernels import ragged_add_layer_norm as k_ln  # noqa: E402
+from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
+from autoragged.kernels import ragged_pack  # noqa: E402
+from autoragged.kernels.graph_layout import layout_ref as _host_meta  # noqa: E402
+from autoragged.kernels.graph_layout import meta_size  # noqa: E402
 
 
 def host_us(fn, calls: int = 2000) -> float:

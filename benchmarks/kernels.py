@@ -32,8 +32,8 @@ from benchmarks._common import (  # noqa: E402
     table,
     write_json,
 )
-from kernels import ragged_attention as k_attn  # noqa: E402
-from kernels import ragged_linear as k_lin  # noqa: E402
+from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
+from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
-from kernels import ragged_linear as k_lin  # noqa: E402
-from kernels._config import KernelConfig  # noqa: E402
+from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
+from autoragged.kernels._config import KernelConfig  # noqa: E402
 
 # (name, N, K, activation): the CoRa encoder's four linears (d 512, ff 2048) and BERT-base's (768, 3072)
 SHAPES = {

@@ -48,7 +48,7 @@ from autoragged._planner import Planner, default_ragged_config, graph_config  # 
 from autoragged.workloads import CORA, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.cora_table import VarlenEncoder, build_model, graphed, varlen_inputs  # noqa: E402
-from tuning_db import BatchStats  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 SHORT = ("CoLA", "MRPC", "MNLI", "XNLI")
 

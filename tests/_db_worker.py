@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuning_db import BatchStats, Decision, TuningDB  # noqa: E402
-from tuning_db._db import decision_row  # noqa: E402
+from autoragged.tuning_db import BatchStats, Decision, TuningDB  # noqa: E402
+from autoragged.tuning_db._db import decision_row  # noqa: E402
 
 
 def make_decisions(tag: str, n: int, start: int = 0) -> list[Decision]:

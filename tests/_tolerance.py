@@ -10,7 +10,7 @@ are not held to zero. Under Triton's interpreter, bf16 casts truncate instead of
 
 import torch
 
-from kernels._config import interpreting
+from autoragged.kernels._config import interpreting
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
 
 import autoragged.ops as ops  # noqa: E402
 from autoragged import KernelConfig, RaggedTensor  # noqa: E402
-from kernels import ragged_attention as k_attn  # noqa: E402
+from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
 
 
 @pytest.fixture

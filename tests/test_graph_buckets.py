@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from autoragged._buckets import ladder, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
-from kernels import graph_args, graph_layout, ragged_pack
-from kernels.graph_layout import layout_ref as _host_meta
-from kernels.graph_layout import meta_size
+from autoragged.kernels import graph_args, graph_layout, ragged_pack
+from autoragged.kernels.graph_layout import layout_ref as _host_meta
+from autoragged.kernels.graph_layout import meta_size
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
 
@@ -175,7 +175,7 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
     """The ragged graph fed a mask: its layout counts each row's real tokens and lays the rows back to
     back, pack fills them in order, unpack puts them back and zeros the pads, whatever the pattern; the
     grid's spare rows (batch > B) are empty, and nothing past the batch's tokens is written."""
-    from kernels import masked_pack
+    from autoragged.kernels import masked_pack
 
     D = 24
     g = torch.Generator().manual_seed(1)

@@ -10,7 +10,7 @@ import autoragged  # noqa: E402
 from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
-from tuning_db import BatchStats  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 D, H = 256, 4
 

@@ -14,8 +14,8 @@ from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, Analyt
 from autoragged._device import device_key
 from autoragged._dispatch import signature_of
 from autoragged._planner import default_ragged_config
-from kernels._config import KernelConfig
-from tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
+from autoragged.kernels._config import KernelConfig
+from autoragged.tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
 
 
 def test_compiled_trees_reproduce_sklearn_exactly():
@@ -544,7 +544,7 @@ def test_prior_graph_cost_grows_with_depth():
     graph than the cuBLAS ragged one: a tiny batch of a deeper encoder costs more, by a layer's worth each."""
     from autoragged._costmodel import PADDED_GRAPH
     from autoragged._planner import graph_config
-    from tuning_db.records import DeviceKey
+    from autoragged.tuning_db.records import DeviceKey
 
     prior = AnalyticPrior(DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0"))
     stats = BatchStats.from_lengths((3, 5))

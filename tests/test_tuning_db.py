@@ -20,7 +20,7 @@ import sqlite_utils
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tuning_db import (
+from autoragged.tuning_db import (
     BatchStats,
     DatabaseError,
     Decision,
@@ -32,8 +32,8 @@ from tuning_db import (
     config_key,
     default_path,
 )
-from tuning_db import migrations as mig
-from tuning_db._db import decision_row, measurement_row
+from autoragged.tuning_db import migrations as mig
+from autoragged.tuning_db._db import decision_row, measurement_row
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_db_worker.py")
@@ -661,11 +661,11 @@ def test_tuning_db_opens_a_file_optuna_created_first(tmp_path):
 
 def test_importing_tuning_db_pulls_in_no_torch_numpy_or_runtime():
     probe = (
-        "import sys, tuning_db\n"
-        "heavy = ('torch', 'numpy', 'sqlite_utils', 'autoragged', 'kernels')\n"
+        "import sys, autoragged.tuning_db as tuning_db\n"
+        "heavy = ('torch', 'numpy', 'sqlite_utils', 'autoragged._dispatch', 'autoragged.kernels')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "tuning_db.TuningDB.open(sys.argv[1]).close()\n"
-        "print(sorted(m for m in ('torch', 'autoragged', 'kernels', 'optuna') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'autoragged._dispatch', 'autoragged.kernels', 'optuna') if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe, os.environ["AUTORAGGED_DB"]],

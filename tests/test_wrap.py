@@ -278,7 +278,7 @@ def test_wrap_errors_are_clear(tmp_path):
     with pytest.raises(TypeError, match="expects an nn.Module"):
         autoragged.wrap("model")
     (tmp_path / "dir").mkdir()
-    from tuning_db import DatabaseError
+    from autoragged.tuning_db import DatabaseError
 
     with pytest.raises(DatabaseError, match="dir"):
         autoragged.wrap(make_encoder(), db=tmp_path / "dir")
@@ -294,7 +294,7 @@ def test_lengths_that_disagree_with_the_mask_are_an_error():
 
 
 def test_decisions_reach_the_database(tmp_path):
-    from tuning_db import TuningDB
+    from autoragged.tuning_db import TuningDB
 
     path = tmp_path / "t.sqlite"
     enc = autoragged.wrap(make_encoder(), db=path)

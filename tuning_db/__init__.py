@@ -1,6 +1,6 @@
 """The SQLite tuning database: every measurement, decision and cost model of autoragged, per device.
 
-    from tuning_db import TuningDB
+    from autoragged.tuning_db import TuningDB
     with TuningDB.open() as db:          # ~/.cache/autoragged/tuning.sqlite, or $AUTORAGGED_DB
         db.add_decisions(buffer)         # one transaction for the whole list
         db.decisions(device=key, limit=100)
