@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import autoragged
+
     from .kernels._config import interpreting
     from .kernels._triton import HAS_TRITON
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .tuning_db import DatabaseError, DeviceKey, ModuleSignature
-
 from ._costmodel import FEATURE_VERSION
+from .tuning_db import DatabaseError, DeviceKey, ModuleSignature
 
 log = logging.getLogger("autoragged")
 

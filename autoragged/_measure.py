@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .tuning_db.records import BatchStats, ModuleSignature
-
 from ._costmodel import Arm
+from .tuning_db.records import BatchStats, ModuleSignature
 
 __all__ = [
     "build_encoder",
@@ -157,9 +156,11 @@ class ArmRunner:
         self.runtime.graph_min_seen = 1  # measuring a graph arm means capturing it at once
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
-        L = x.shape[1]
+        from .adapters.torch_encoder import TorchCall
+
+        call = TorchCall(self.runtime.body, x, None, mask, None, None)
         with torch.inference_mode():
-            out, note = self.runtime._execute(self.encoder, arm, x, x, False, None, mask, None, lengths, L, stats)
+            out, note = self.runtime._execute(self.encoder, call, arm, lengths, stats, None)
         if note:
             raise RuntimeError(f"{arm.label} did not run as asked: {note}")
         return out

@@ -36,11 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from .kernels._config import KernelConfig
-from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
-
 from ._buckets import LADDER_VERSION
 from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features
+from .kernels._config import KernelConfig
+from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 
 __all__ = [
     "CompiledModel", "Forest", "fit_cost_model", "evaluate_choices", "against_every_arm", "held_out_predictions",

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._costmodel import PADDED, Arm
 from .kernels import ragged_attention as k_attn
 from .kernels._config import KernelConfig
 from .tuning_db.records import BatchStats, ModuleSignature
-
-from ._costmodel import PADDED, Arm
 
 __all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BACKENDS", "bucket_key"]
 

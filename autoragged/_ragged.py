@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 
-from .kernels import ragged_pack
-
 from ._backend import host_to_device, use_triton
 from ._layout import Layout, as_lengths, check_align
+from .kernels import ragged_pack
 
 __all__ = ["RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding"]
 

@@ -5,9 +5,9 @@ and shares its parameters (no copies: an in-place update of the original is seen
 norm_first both ways, relu and (exact) gelu, bias on and off, any layer_norm_eps, the encoder's final
 norm, self-attention with one in-projection; `support_error()` names anything else.
 
-Per layer (post-norm), the ragged arm launches: qkv linear, attention, out linear, add+LayerNorm,
-ff1 linear (+ activation fused), ff2 linear, add+LayerNorm. Pre-norm layers fuse the residual add
-that ends one layer into the LayerNorm that starts the next (and into the encoder's final norm).
+The layers run as specs of the fused ragged encoder (`autoragged/_encoder.py`, shared with the HF
+BERT family): qkv linear, attention, out linear, add+LayerNorm, ff1 linear (+ activation fused), ff2
+linear, add+LayerNorm.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels._config import KernelConfig
-from .kernels.ragged_attention import HEAD_DIMS
-
+from ._encoder import EncoderLayerSpec, encoder_values, linear_config
 from ._layout import Layout
 from ._ragged import RaggedTensor, _zero_gaps
-from .ops import add_layer_norm_values, attention_values, linear_values
+from .kernels._config import KernelConfig
+from .kernels.ragged_attention import HEAD_DIMS
+from .ops import attention_values, linear_values
 
 __all__ = [
     "RaggedMultiheadAttention",
@@ -29,6 +29,8 @@ __all__ = [
     "RaggedTransformerEncoder",
     "activation_kind",
     "support_error",
+    "layer_spec",
+    "encoder_specs",
 ]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -88,9 +90,30 @@ def _is_dispatching_layer(layer: nn.Module) -> bool:
     return isinstance(layer, nn.TransformerEncoderLayer) and hasattr(layer, "_autoragged")
 
 
-# -- value-level forward passes (the dispatcher's ragged arm calls these) -------------------------
+# -- as specs of the fused ragged encoder (autoragged/_encoder.py) -------------------------------
 def _norm_args(norm: nn.LayerNorm) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     return norm.weight, norm.bias, norm.eps
+
+
+def layer_spec(layer: nn.TransformerEncoderLayer) -> EncoderLayerSpec:
+    """A supported `nn.TransformerEncoderLayer` as the fused encoder's layer spec (its own parameters)."""
+    mha = layer.self_attn
+    return EncoderLayerSpec(
+        heads=mha.num_heads,
+        qkv=((mha.in_proj_weight, mha.in_proj_bias),),
+        out=(mha.out_proj.weight, mha.out_proj.bias),
+        norm1=_norm_args(layer.norm1),
+        ff1=(layer.linear1.weight, layer.linear1.bias),
+        activation=activation_kind(layer),
+        ff2=(layer.linear2.weight, layer.linear2.bias),
+        norm2=_norm_args(layer.norm2),
+        norm_first=bool(layer.norm_first),
+    )
+
+
+def encoder_specs(layers, norm: nn.LayerNorm | None):
+    """(layer specs, final norm args or None) of supported `nn.TransformerEncoderLayer`s and a final norm."""
+    return [layer_spec(layer) for layer in layers], (None if norm is None else _norm_args(norm))
 
 
 def mha_values(
@@ -104,60 +127,6 @@ def mha_values(
     q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     a = attention_values(q, k, v, layout, causal=causal, config=config)
     return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin, live=live, rows=tiles)
-
-
-def _feed_forward(layer: nn.TransformerEncoderLayer, x: torch.Tensor, config: KernelConfig | None, layout: Layout):
-    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
-    h = linear_values(x, layer.linear1.weight, layer.linear1.bias, activation_kind(layer), lin, live=live, rows=tiles)
-    return linear_values(h, layer.linear2.weight, layer.linear2.bias, None, lin, live=live, rows=tiles)
-
-
-_CUBLAS = KernelConfig(backend="cublas")
-
-
-def linear_config(config: KernelConfig | None) -> KernelConfig | None:
-    """The arm's config names the attention tiles, the alignment and the linears' backend; a Triton
-    linear takes its own per-shape default tiles (None), cuBLAS takes none."""
-    return _CUBLAS if config is not None and config.backend == "cublas" else None
-
-
-def encoder_values(
-    layers: list[nn.TransformerEncoderLayer],
-    norm: nn.LayerNorm | None,
-    x: torch.Tensor,
-    layout: Layout,
-    config: KernelConfig | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """Run `layers` (and the final `norm`) on values x (rows, D); gap rows of the result are unspecified,
-    and so are rows from `layout.live` on where the layout has one."""
-    live = layout.live
-
-    def add_norm(a, residual, ln: nn.LayerNorm, store_sum=False):
-        return add_layer_norm_values(a, residual, *_norm_args(ln), store_sum=store_sum, live=live)
-
-    pending: torch.Tensor | None = None  # pre-norm: the feed-forward output not yet added to x
-    for layer in layers:
-        if layer.norm_first:
-            if pending is None:
-                h, _ = add_norm(x, None, layer.norm1)
-            else:  # the previous layer's x + ff(x), fused into this layer's first norm
-                h, x = add_norm(pending, x, layer.norm1, True)
-            a = mha_values(layer.self_attn, h, layout, config, causal)
-            h, x = add_norm(a, x, layer.norm2, True)
-            pending = _feed_forward(layer, h, config, layout)
-        else:
-            a = mha_values(layer.self_attn, x, layout, config, causal)
-            x, _ = add_norm(a, x, layer.norm1)
-            f = _feed_forward(layer, x, config, layout)
-            x, _ = add_norm(f, x, layer.norm2)
-    if pending is not None:
-        if norm is not None:
-            return add_norm(pending, x, norm)[0]
-        return x + pending
-    if norm is not None:
-        return add_norm(x, None, norm)[0]
-    return x
 
 
 # -- modules ---------------------------------------------------------------------------------------
@@ -203,7 +172,7 @@ class RaggedTransformerEncoderLayer(nn.Module):
     def forward(self, x: RaggedTensor, *, causal: bool = False, config: KernelConfig | None = None) -> RaggedTensor:
         w = self.layer.linear1.weight
         x = _check_input(x, self.layer.self_attn.embed_dim, w.dtype, w.device)
-        out = encoder_values([self.layer], None, x.values, x.layout, config, causal)
+        out = encoder_values(*encoder_specs([self.layer], None), x.values, x.layout, config, causal)
         return x.with_values(_zero_gaps(out, x.layout))
 
 
@@ -219,5 +188,5 @@ class RaggedTransformerEncoder(nn.Module):
         first = self.encoder.layers[0]
         w = first.linear1.weight
         x = _check_input(x, first.self_attn.embed_dim, w.dtype, w.device)
-        out = encoder_values(list(self.encoder.layers), self.encoder.norm, x.values, x.layout, config, causal)
+        out = encoder_values(*encoder_specs(self.encoder.layers, self.encoder.norm), x.values, x.layout, config, causal)
         return x.with_values(_zero_gaps(out, x.layout))

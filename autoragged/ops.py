@@ -15,16 +15,15 @@ import math
 
 import torch
 
+from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
+from ._backend import use_triton
+from ._layout import Layout
+from ._ragged import RaggedTensor, _zero_gaps
 from .kernels import ragged_add_layer_norm as k_ln
 from .kernels import ragged_attention as k_attn
 from .kernels import ragged_bmm as k_bmm
 from .kernels import ragged_linear as k_lin
 from .kernels._config import KernelConfig
-
-from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
-from ._backend import use_triton
-from ._layout import Layout
-from ._ragged import RaggedTensor, _zero_gaps
 
 __all__ = [
     "ragged_attention",

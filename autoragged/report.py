@@ -39,11 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .kernels._config import KernelConfig
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
-
 from ._costmodel import FEATURE_VERSION
 from ._planner import bucket_key
+from .kernels._config import KernelConfig
+from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
 
 __all__ = [
     "main",

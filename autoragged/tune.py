@@ -116,7 +116,7 @@ def _user_encoders(spec: str):
         raise SystemExit(f"--model {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
     from ._dispatch import _targets
 
-    encoders = [m for m in _targets(model) if isinstance(m, torch.nn.TransformerEncoder)]
+    encoders = [m for _, m in _targets(model)[0] if isinstance(m, torch.nn.TransformerEncoder)]
     if not encoders:
         raise SystemExit(f"--model {spec}: no nn.TransformerEncoder in the model")
     return [e.eval() for e in encoders]
@@ -155,13 +155,12 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
     import torch
 
-    from .kernels import ragged_attention as k_attn
-    from .tuning_db import BatchStats, Measurement
-
     from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
     from ._measure import make_batch, time_close_calls
     from ._planner import GRAPH_BACKENDS, default_ragged_config, graph_config
+    from .kernels import ragged_attention as k_attn
+    from .tuning_db import BatchStats, Measurement
     from .workloads import sample
 
     rng = np.random.default_rng(item_seed)
@@ -272,8 +271,8 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     import torch
     from tqdm import tqdm
 
-    from ._dispatch import signature_of
     from ._measure import ArmRunner, build_encoder
+    from .adapters.torch_encoder import signature_of
 
     on_gpu = device.type == "cuda"
     if args.model:
@@ -400,9 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from .tuning_db import DatabaseError, TuningDB
-
     from ._device import device_key
+    from .tuning_db import DatabaseError, TuningDB
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -29,6 +29,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+from autoragged.tuning_db import TuningDB  # noqa: E402
 
 from autoragged._model import (  # noqa: E402
     TIE,
@@ -40,7 +41,6 @@ from autoragged._model import (  # noqa: E402
     held_out_predictions,
 )
 from benchmarks._common import table, write_json  # noqa: E402
-from autoragged.tuning_db import TuningDB  # noqa: E402
 
 
 def family_of(label: str) -> str:

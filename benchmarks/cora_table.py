@@ -42,6 +42,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from autoragged.kernels._config import KernelConfig  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
@@ -49,8 +51,6 @@ from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, matmul_peak_tflops, require_cuda, table, write_json  # noqa: E402
-from autoragged.kernels._config import KernelConfig  # noqa: E402
-from autoragged.tuning_db import BatchStats  # noqa: E402
 
 DEFAULT_COLUMNS = [
     "padded_nofast",

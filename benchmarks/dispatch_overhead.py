@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import autoragged  # noqa: E402
 from autoragged import RaggedTensor  # noqa: E402
 from autoragged._costmodel import PADDED  # noqa: E402
-from autoragged._dispatch import _shape_entry  # noqa: E402
+from autoragged.runtime.core import _shape_entry  # noqa: E402
 from autoragged.workloads import CORA, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, table, write_json  # noqa: E402
 

@@ -20,12 +20,12 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
-from autoragged.tuning_db import BatchStats  # noqa: E402
 
 BATCHES = [[37, 5, 100, 1], [64, 64, 3], [17] * 9, [200, 1, 1, 1, 1, 90], [90, 50, 100, 2]]
 

@@ -1,5 +1,5 @@
 """GPU time of the cuBLAS ragged graph at its bucket's rung of rows against one row more, and which one the
-runtime's capture-time choice (`autoragged._graphs.replay_ms` on replays with no batch loaded) keeps.
+runtime's capture-time choice (`autoragged.runtime.graphs.replay_ms` on replays with no batch loaded) keeps.
 
     python benchmarks/graph_rows.py
 
@@ -20,14 +20,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from autoragged.tuning_db import BatchStats, ModuleSignature  # noqa: E402
 
 from autoragged._buckets import ragged_bucket  # noqa: E402
-from autoragged._graphs import _ROW_MARGIN, _RaggedGraph, replay_ms  # noqa: E402
 from autoragged._measure import ArmRunner, build_encoder, make_batch  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
+from autoragged.runtime.graphs import _ROW_MARGIN, _RaggedGraph, replay_ms  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.short_rows import gpu_ms  # noqa: E402
-from autoragged.tuning_db import BatchStats, ModuleSignature  # noqa: E402
 
 PLAN = {
     "encoder:6x512/8h/ff2048:relu:post:float16:nested": (600, 1500, 3000, 6000, 12000, 24000, 45000),

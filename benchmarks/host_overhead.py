@@ -19,16 +19,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from autoragged import RaggedTensor  # noqa: E402
-from autoragged._graphs import GraphCache  # noqa: E402
-from autoragged._ragged import mask_lengths  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from autoragged.kernels import ragged_add_layer_norm as k_ln  # noqa: E402
 from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
 from autoragged.kernels import ragged_pack  # noqa: E402
 from autoragged.kernels.graph_layout import layout_ref as _host_meta  # noqa: E402
 from autoragged.kernels.graph_layout import meta_size  # noqa: E402
+
+from autoragged import RaggedTensor  # noqa: E402
+from autoragged._ragged import mask_lengths  # noqa: E402
+from autoragged.runtime.graphs import GraphCache  # noqa: E402
+from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 
 
 def host_us(fn, calls: int = 2000) -> float:

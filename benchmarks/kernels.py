@@ -21,6 +21,9 @@ import torch.nn.functional as F
 # the repository root first: benchmarks/ on sys.path would make this file shadow the `kernels` package
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
+from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
+from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
+
 from autoragged import KernelConfig, RaggedTensor  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, sample_cora  # noqa: E402
 from benchmarks._common import (  # noqa: E402
@@ -32,8 +35,6 @@ from benchmarks._common import (  # noqa: E402
     table,
     write_json,
 )
-from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
-from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -1,6 +1,6 @@
 """Tile sweep of our Triton linear at the row counts a ragged CUDA graph sees, against cuBLAS.
 
-A ragged graph with Triton linears (autoragged/_graphs.py) runs `ragged_linear(..., live=...)`: a fixed
+A ragged graph with Triton linears (autoragged/runtime/graphs.py) runs `ragged_linear(..., live=...)`: a fixed
 grid walks the tiles of the rows the batch fills. This measures it that way: for each (shape, rows,
 config, kernel), 10 back-to-back calls captured in one CUDA graph, replayed with CUDA events (median of
 the replays / 10), the input buffer sized for twice the rows (a graph's capacity, as with a mask; rounded
@@ -26,10 +26,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 from autoragged.kernels._config import KernelConfig  # noqa: E402
+
+from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 
 # (name, N, K, activation): the CoRa encoder's four linears (d 512, ff 2048) and BERT-base's (768, 3072)
 SHAPES = {

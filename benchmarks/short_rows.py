@@ -40,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED_GRAPH, Arm  # noqa: E402
@@ -48,7 +49,6 @@ from autoragged._planner import Planner, default_ragged_config, graph_config  # 
 from autoragged.workloads import CORA, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.cora_table import VarlenEncoder, build_model, graphed, varlen_inputs  # noqa: E402
-from autoragged.tuning_db import BatchStats  # noqa: E402
 
 SHORT = ("CoLA", "MRPC", "MNLI", "XNLI")
 

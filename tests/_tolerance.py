@@ -9,7 +9,6 @@ are not held to zero. Under Triton's interpreter, bf16 casts truncate instead of
 """
 
 import torch
-
 from autoragged.kernels._config import interpreting
 
 

@@ -9,7 +9,6 @@ if not torch.cuda.is_available():  # does not create a CUDA context
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
 from autoragged.kernels._config import interpreting  # noqa: E402
 from autoragged.kernels._triton import HAS_TRITON  # noqa: E402
 

@@ -6,9 +6,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
+
 import autoragged.ops as ops  # noqa: E402
 from autoragged import KernelConfig, RaggedTensor  # noqa: E402
-from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
 
 
 @pytest.fixture

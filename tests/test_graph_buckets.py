@@ -5,15 +5,15 @@ kernels run compiled on CUDA, in the interpreter on CPU)."""
 import numpy as np
 import pytest
 import torch
+from autoragged.kernels import graph_args, graph_layout, ragged_pack
+from autoragged.kernels.graph_layout import layout_ref as _host_meta
+from autoragged.kernels.graph_layout import meta_size
 from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoragged._buckets import ladder, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
-from autoragged.kernels import graph_args, graph_layout, ragged_pack
-from autoragged.kernels.graph_layout import layout_ref as _host_meta
-from autoragged.kernels.graph_layout import meta_size
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
 
@@ -231,15 +231,15 @@ class _FakeGraph:
 def test_a_cublas_ragged_graph_keeps_the_faster_of_its_rung_and_one_row_more(monkeypatch, backend, times, rows, made):
     from torch import nn
 
-    from autoragged import _graphs
     from autoragged._planner import graph_config
+    from autoragged.adapters.torch_encoder import TorchEncoderBody
+    from autoragged.runtime import graphs as _graphs
 
     made_rows, timed = [], []
     monkeypatch.setattr(_graphs, "_RaggedGraph", lambda *a: made_rows.append(a[4][0]) or _FakeGraph(*a))
     monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: timed.append([g.rows for g in graphs]) or times)
     monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
-    layer = nn.TransformerEncoderLayer(64, 4, 128)
-    runtime = type("R", (), {"layers": [layer]})()
+    runtime = type("R", (), {"body": TorchEncoderBody(nn.TransformerEncoderLayer(64, 4, 128))})()
     cache = _graphs.GraphCache()
     key = (1024, 8, 64, graph_config(16, 64, backend), False, "padded")
     graph = cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda")
@@ -254,8 +254,9 @@ def test_a_cublas_ragged_graph_keeps_the_faster_of_its_rung_and_one_row_more(mon
 def test_a_failed_second_capture_keeps_the_rung_graph(monkeypatch):
     from torch import nn
 
-    from autoragged import _graphs
     from autoragged._planner import graph_config
+    from autoragged.adapters.torch_encoder import TorchEncoderBody
+    from autoragged.runtime import graphs as _graphs
 
     def make(*a):
         if a[4][0] == 1025:
@@ -266,7 +267,7 @@ def test_a_failed_second_capture_keeps_the_rung_graph(monkeypatch):
     monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: pytest.fail("nothing to compare"))
     monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    runtime = type("R", (), {"layers": [nn.TransformerEncoderLayer(64, 4, 128)]})()
+    runtime = type("R", (), {"body": TorchEncoderBody(nn.TransformerEncoderLayer(64, 4, 128))})()
     key = (1024, 8, 64, graph_config(16, 64, "cublas"), False, "padded")
     assert _graphs.GraphCache()._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == 1024
     assert list(_graphs._ROW_CHOICE.values()) == [1024]

@@ -6,11 +6,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from autoragged.tuning_db import BatchStats  # noqa: E402
+
 import autoragged  # noqa: E402
-from autoragged import _graphs  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
-from autoragged.tuning_db import BatchStats  # noqa: E402
+from autoragged.adapters.torch_encoder import _BASE  # noqa: E402
+from autoragged.runtime import graphs as _graphs  # noqa: E402
 
 D, H = 256, 4
 
@@ -273,7 +275,7 @@ def test_ragged_input_replays_a_graph_of_its_own_alignment(align):
 def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
     """The unread mask path: a shape the padded side wins runs the padded graph on the mask itself; batches
     of several lengths share its bucket (columns a longer batch wrote must read as pad again)."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = encoder()
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
@@ -298,7 +300,7 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
 
 
 def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=0)
     rt_ = enc._autoragged
@@ -323,7 +325,7 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
 def test_a_trusted_shape_that_measures_slower_fed_the_mask_reads_its_lengths_again():
     """The first replays of a trusted shape fed the mask are timed (a capture is not); measured slower
     than the shape's read path (here a made-up 1 ns), the shape goes back to reading its lengths."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = autoragged.wrap(encoder(), db=False, policy="auto", sample_every=1000)
     rt_ = enc._autoragged
@@ -350,7 +352,7 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
     """The unread mask path on the ragged side: the graph counts and packs each row's real tokens from
     the mask itself (left padding, holes, an all-pad row), so nothing reads lengths or synchronises, and
     the record's stats still arrive."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = encoder(batch_first=batch_first)
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
@@ -388,7 +390,7 @@ def test_a_trusted_mask_shape_replays_its_kept_graph_and_notices_what_changed():
     """The hot path of a trusted mask-only shape (`_replay_unread`) replays the graph the shape kept, with no
     lookup; a graph gone from the cache (evicted, cleared, parameters moved to new storage) sends the batch
     to the general path, which captures again; in-place parameter updates are seen by the next replay."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = encoder()
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
@@ -490,7 +492,7 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
     over more batches than the pads ring has slots: state made by a call in one mode (the pinned pads ring,
     the static buffers, the args ring) is written by calls in another, on the general path and on a trusted
     shape's hot path."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = encoder().requires_grad_(False)
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
@@ -530,7 +532,7 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
 def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
     """A trusted mask shape replays its graph on the hot path; a layer replaced in the encoder (new module,
     new weights) re-binds the module, so the next batch runs the new layer, not the captured old one."""
-    from autoragged import _dispatch as dispatch
+    from autoragged.runtime import core as dispatch
 
     enc = encoder()
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
@@ -547,7 +549,7 @@ def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
             rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100)
         with torch.inference_mode():
             ys = [enc(x, src_key_padding_mask=mask) for _ in range(n)]
-            want = dispatch._BASE[type(enc)].forward(enc, x, src_key_padding_mask=mask)
+            want = _BASE[type(enc)].forward(enc, x, src_key_padding_mask=mask)
         for y in ys:
             torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
         return ys[-1]

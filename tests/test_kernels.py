@@ -9,15 +9,15 @@ import itertools
 import pytest
 import torch
 from _tolerance import assert_within_torch_error
-from conftest import DEVICES, triton_available
-
-import autoragged.ops as ops
-from autoragged import KernelConfig, RaggedTensor
 from autoragged.kernels import ragged_add_layer_norm as k_ln
 from autoragged.kernels import ragged_attention as k_attn
 from autoragged.kernels import ragged_bmm as k_bmm
 from autoragged.kernels import ragged_linear as k_lin
 from autoragged.kernels._config import interpreting
+from conftest import DEVICES, triton_available
+
+import autoragged.ops as ops
+from autoragged import KernelConfig, RaggedTensor
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

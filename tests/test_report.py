@@ -12,13 +12,13 @@ import warnings
 
 import pytest
 import torch
+from autoragged.kernels._config import KernelConfig
+from autoragged.tuning_db import BatchStats, Decision, DeviceKey, Measurement, TuningDB
 from torch import nn
 
 import autoragged
 from autoragged import report
 from autoragged._costmodel import FEATURE_VERSION
-from autoragged.kernels._config import KernelConfig
-from autoragged.tuning_db import BatchStats, Decision, DeviceKey, Measurement, TuningDB
 
 H100 = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.6.0", "3.2.0")
 CORA = "encoder:6x512/8h/ff2048:relu:post:float16:nested"

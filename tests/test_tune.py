@@ -6,16 +6,16 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from autoragged.kernels._config import KernelConfig
+from autoragged.tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
 
 import autoragged
 from autoragged import _model, tune
 from autoragged._buckets import LADDER_VERSION
 from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm
 from autoragged._device import device_key
-from autoragged._dispatch import signature_of
 from autoragged._planner import default_ragged_config
-from autoragged.kernels._config import KernelConfig
-from autoragged.tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
+from autoragged.adapters.torch_encoder import signature_of
 
 
 def test_compiled_trees_reproduce_sklearn_exactly():
@@ -542,9 +542,10 @@ def test_noisy_labels_weigh_less_in_the_fit(monkeypatch):
 def test_prior_graph_cost_grows_with_depth():
     """On a GPU, a replayed graph's launch cost is a fixed part plus a part per layer, more for the padded
     graph than the cuBLAS ragged one: a tiny batch of a deeper encoder costs more, by a layer's worth each."""
+    from autoragged.tuning_db.records import DeviceKey
+
     from autoragged._costmodel import PADDED_GRAPH
     from autoragged._planner import graph_config
-    from autoragged.tuning_db.records import DeviceKey
 
     prior = AnalyticPrior(DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0"))
     stats = BatchStats.from_lengths((3, 5))

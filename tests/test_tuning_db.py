@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 import sqlite_utils
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from autoragged.tuning_db import (
     BatchStats,
     DatabaseError,
@@ -34,6 +31,8 @@ from autoragged.tuning_db import (
 )
 from autoragged.tuning_db import migrations as mig
 from autoragged.tuning_db._db import decision_row, measurement_row
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_db_worker.py")

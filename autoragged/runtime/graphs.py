@@ -55,10 +55,9 @@ from collections import OrderedDict
 
 import torch
 
-from .kernels import graph_args, graph_layout, masked_pack, ragged_pack
-
-from ._buckets import padded_bucket, ragged_bucket
-from ._ragged import _zero_pads
+from .._buckets import padded_bucket, ragged_bucket
+from .._ragged import _zero_pads
+from ..kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
 __all__ = ["GraphCache", "record_event", "event_done"]
 
@@ -187,9 +186,10 @@ class _RaggedGraph:
 
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
-        D = runtime.layers[0].self_attn.embed_dim
+        body = runtime.body
+        D = body.d_model
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
-        self.dtype, self.device, self.batch_first, self.d_model = dtype, device, runtime.batch_first, D
+        self.dtype, self.device, self.batch_first, self.d_model = dtype, device, body.batch_first, D
         index = torch.device(device).index  # compared with x.get_device(): cheaper than building x.device
         self.index = torch.cuda.current_device() if index is None else index
         self.width = max_len  # io="mask": the columns `pads` counts over (the padded bucket length)
@@ -206,16 +206,14 @@ class _RaggedGraph:
         layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
         layout.live = layout.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
         layout.tile_rows = tile_rows
-        from .nn import encoder_values
-
-        enc_layers, norm, block_m, align = runtime.layers, runtime.norm, config.block_m, config.align
+        values_fn, block_m, align = body.values, config.block_m, config.align
 
         if io == "values":
 
             def run():
                 mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
-                return encoder_values(enc_layers, norm, values, layout, config, causal)
+                return values_fn(values, layout, config, causal)
 
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width = max_len
@@ -224,7 +222,7 @@ class _RaggedGraph:
                 mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, 1, from_mask=True)
                 masked_pack.pack_masked(args, values, layout.offsets, batch, width)
-                out = encoder_values(enc_layers, norm, values, layout, config, causal)
+                out = values_fn(values, layout, config, causal)
                 masked_pack.unpack_masked(args, out, layout.offsets, batch, width)
                 return width - layout.lengths  # each row's pads over `width` columns, for the decision record
 
@@ -235,7 +233,7 @@ class _RaggedGraph:
                 mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
                 ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
-                out = encoder_values(enc_layers, norm, values, layout, config, causal)
+                out = values_fn(values, layout, config, causal)
                 ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
 
         slot = mailbox.post(())  # for the warm-up run; the capture itself runs nothing
@@ -314,8 +312,8 @@ class _PaddedGraph:
 
     def __init__(self, runtime, module, key, dtype, device, pool):
         batch, length, io = key[1], key[2], key[3]
-        D = runtime.layers[0].self_attn.embed_dim
-        self.batch_first, self.width = runtime.batch_first, length
+        D = runtime.body.d_model
+        self.batch_first, self.width = runtime.body.batch_first, length
         shape = (batch, length, D) if self.batch_first else (length, batch, D)
         x = self.x = torch.zeros(shape, dtype=dtype, device=device)
         # Everything the graph reads must outlive it: static buffers live on self, and the capture closure
@@ -327,13 +325,13 @@ class _PaddedGraph:
             mailbox = self.mailbox = _ArgsMailbox(batch, device)
             lengths = self.lengths = mailbox.args
             positions = self.positions = torch.arange(length, dtype=torch.int64, device=device)
-        forward, batch_first = runtime.base.forward, self.batch_first
+        forward, batch_first = runtime.body.padded_forward, self.batch_first
 
         def run():
             if io != "mask":
                 mailbox.fetch()
             mask = static_mask if io == "mask" else positions[None, :] >= lengths[:, None]
-            out = forward(module, x, None, mask, None)
+            out = forward(module, x, mask)
             out = _zero_pads(out, mask, batch_first)
             # io="mask": each row's pad count, for the decision record
             return (out, mask.sum(1, dtype=torch.int32)) if io == "mask" else out
@@ -464,7 +462,7 @@ class GraphCache:
         self.generation += 1
 
     def _check_params(self, params: list[torch.Tensor]) -> None:
-        """Drop the graphs if any of the module's parameters (`_Runtime._parameters`) moved to new storage."""
+        """Drop the graphs if any of the module's parameters (`Runtime._parameters`) moved to new storage."""
         ptrs = tuple(map(_data_ptr, params))
         if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
@@ -516,8 +514,7 @@ class GraphCache:
         make = lambda rows: _RaggedGraph(runtime, module, config, causal, (rows, *key[1:]), dtype, device, self.pool)  # noqa: E731
         if config.backend != "cublas":
             return make(key[0])
-        first = runtime.layers[0]
-        memo = (key[0], first.self_attn.embed_dim, first.linear1.out_features, len(runtime.layers), dtype, device)
+        memo = (key[0], *runtime.body.memo, dtype, device)
         rows = _ROW_CHOICE.get(memo)
         if rows is not None:
             return make(rows)

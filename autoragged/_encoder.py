@@ -1,0 +1,129 @@
+"""The fused ragged encoder: a stack of self-attention + feed-forward layers on packed rows, family-agnostic.
+
+PyTorch's `nn.TransformerEncoderLayer` and the HuggingFace BERT family (BERT, RoBERTa, XLM-R, CamemBERT,
+ELECTRA, ALBERT, DistilBERT) compute the same layer: q/k/v projections, attention, an output projection,
+add+LayerNorm, a feed-forward of two linears with an activation between, add+LayerNorm (post-norm; pre-norm
+layers normalise first). A family adapter describes each of its layers as an `EncoderLayerSpec` (the module's
+own parameters, never copies: an in-place update is seen by the next batch and by every CUDA-graph replay),
+and `encoder_values` runs the specs with the ragged ops.
+
+Per layer (post-norm), the ragged arm launches: the q/k/v linear(s), attention, out linear, add+LayerNorm,
+ff1 linear (+ relu / exact gelu fused; another activation runs after it), ff2 linear, add+LayerNorm. Pre-norm
+layers fuse the residual add that ends one layer into the LayerNorm that starts the next (and into the final
+norm). Linears take the arm's backend: cuBLAS, or our Triton kernel, which stops at the rows the batch fills
+(`Layout.live`) inside a CUDA graph sized for a bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ._layout import Layout
+from .kernels._config import KernelConfig
+from .ops import add_layer_norm_values, attention_values, linear_values
+
+__all__ = ["EncoderLayerSpec", "encoder_values", "linear_config", "FUSED_ACTIVATIONS"]
+
+FUSED_ACTIVATIONS = ("relu", "gelu")  # in the linear's epilogue; "gelu" is the exact (erf) one
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight (N, K), bias (N,) or None)
+Norm = tuple[torch.Tensor | None, torch.Tensor | None, float]  # (weight, bias, eps) of a LayerNorm
+
+
+@dataclass(frozen=True)
+class EncoderLayerSpec:
+    """One encoder layer as parameters. `qkv` is one fused in-projection (3 D, D) or three (D, D) ones;
+    `activation` is "relu" / "gelu" (fused into ff1) or a callable applied to ff1's output."""
+
+    heads: int
+    qkv: tuple[Linear, ...]
+    out: Linear
+    norm1: Norm
+    ff1: Linear
+    activation: str | Callable[[torch.Tensor], torch.Tensor]
+    ff2: Linear
+    norm2: Norm
+    norm_first: bool = False
+    scale: float | None = None  # attention scale (default 1 / sqrt(head dim))
+
+
+_CUBLAS = KernelConfig(backend="cublas")
+
+
+def linear_config(config: KernelConfig | None) -> KernelConfig | None:
+    """The arm's config names the attention tiles, the alignment and the linears' backend; a Triton
+    linear takes its own per-shape default tiles (None), cuBLAS takes none."""
+    return _CUBLAS if config is not None and config.backend == "cublas" else None
+
+
+def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, causal: bool) -> torch.Tensor:
+    """Self-attention of one layer on values x (rows, D) -> (rows, D)."""
+    rows, D = x.shape
+    H = spec.heads
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
+    if len(spec.qkv) == 1:
+        qkv = linear_values(x, *spec.qkv[0], None, lin, live=live, rows=tiles)
+        q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
+    else:
+        q, k, v = (linear_values(x, w, b, None, lin, live=live, rows=tiles).view(rows, H, D // H) for w, b in spec.qkv)
+    a = attention_values(q, k, v, layout, causal=causal, scale=spec.scale, config=config)
+    return linear_values(a.view(rows, D), *spec.out, None, lin, live=live, rows=tiles)
+
+
+def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layout) -> torch.Tensor:
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
+    fused = spec.activation if isinstance(spec.activation, str) else None
+    h = linear_values(x, *spec.ff1, fused, lin, live=live, rows=tiles)
+    if fused is None:
+        h = spec.activation(h)
+    return linear_values(h, *spec.ff2, None, lin, live=live, rows=tiles)
+
+
+def encoder_values(
+    specs: list[EncoderLayerSpec],
+    final_norm: Norm | None,
+    x: torch.Tensor,
+    layout: Layout,
+    config: KernelConfig | None = None,
+    causal: bool = False,
+    hidden_states: list | None = None,
+) -> torch.Tensor:
+    """Run the layers (and the final norm) on values x (rows, D); gap rows of the result are unspecified,
+    and so are rows from `layout.live` on where the layout has one. `hidden_states`, when a list, gets each
+    layer's output values appended (pre-norm stacks: the residual stream after the layer)."""
+    live = layout.live
+
+    def add_norm(a, residual, norm: Norm, store_sum=False):
+        return add_layer_norm_values(a, residual, *norm, store_sum=store_sum, live=live)
+
+    pending: torch.Tensor | None = None  # pre-norm: the feed-forward output not yet added to x
+    for spec in specs:
+        if spec.norm_first:
+            if pending is None:
+                h, _ = add_norm(x, None, spec.norm1)
+            else:  # the previous layer's x + ff(x), fused into this layer's first norm
+                h, x = add_norm(pending, x, spec.norm1, True)
+                if hidden_states is not None:
+                    hidden_states.append(x)
+            a = _attention(spec, h, layout, config, causal)
+            h, x = add_norm(a, x, spec.norm2, True)
+            pending = _feed_forward(spec, h, config, layout)
+        else:
+            a = _attention(spec, x, layout, config, causal)
+            x, _ = add_norm(a, x, spec.norm1)
+            f = _feed_forward(spec, x, config, layout)
+            x, _ = add_norm(f, x, spec.norm2)
+            if hidden_states is not None:
+                hidden_states.append(x)
+    if pending is not None:
+        if hidden_states is not None:
+            hidden_states.append(x + pending)
+        if final_norm is not None:
+            return add_norm(pending, x, final_norm)[0]
+        return x + pending
+    if final_norm is not None:
+        return add_norm(x, None, final_norm)[0]
+    return x

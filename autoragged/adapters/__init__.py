@@ -1,0 +1,29 @@
+"""Model-family adapters: each finds the modules of its family in a model and reads their calls.
+
+    torch_encoder  nn.TransformerEncoder / nn.TransformerEncoderLayer
+    hf_encoder     HuggingFace encoders (BERT family, ModernBERT) and the models that hold them
+                   (task heads, sentence-transformers)
+
+An adapter never imports another adapter; the runtime never imports transformers (an adapter does, and
+only once transformers was imported by the caller: a model cannot be a HuggingFace one before that).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+__all__ = ["adapters_for"]
+
+
+def adapters_for(model: nn.Module) -> list:
+    """The adapters to consult for `model`, in order."""
+    from .torch_encoder import ADAPTER as torch_encoder
+
+    found = [torch_encoder]
+    if "transformers" in sys.modules:
+        from .hf_encoder import ADAPTER as hf_encoder
+
+        found.append(hf_encoder)
+    return found

@@ -1,0 +1,692 @@
+"""The per-module runtime: one batch goes lengths -> stats -> plan -> arm -> record, for every model family.
+
+A family adapter (`autoragged/adapters/`) binds a wrapped module to a `Runtime` and turns each of the
+module's own calls into a `Call` (adapters/base.py): the batch's shape, its key padding mask or host lengths,
+how to run the padded arm, what the ragged arm packs and how its result becomes the module's output. The
+module's `Body` (what its layers compute on packed rows, its signature, what it supports) comes from the
+adapter too. Everything else is here, written once:
+
+ 1. lengths: `lengths=` or a RaggedTensor input (no device sync), or the key padding mask (one small
+    device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape that an
+    arm needing no lengths keeps winning (the copy's cost counted against the others) skips the copy and
+    runs that arm on the mask (padded, or the ragged graph fed the mask); its stats reach the record
+    later, without a sync. Once that arm's graph is captured, the shape's batches take a short path from
+    the support checks to the replay (`_replay_unread`);
+ 2. `BatchStats` on the host;
+ 3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
+    reason is recorded), or chosen by the planner;
+ 4. the arm runs; padded positions of the ragged arms' output are zero;
+ 5. a decision record goes into a ring buffer (and to the recorder); every `sample_every`-th batch is
+    timed (CUDA events on a GPU, harvested later without blocking; the host clock on a CPU, where ops
+    are synchronous) and fed back to the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._buckets import LADDER_VERSION
+from .._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
+from .._device import device_key
+from .._epoch import param_epoch
+from .._layout import Layout, as_lengths
+from .._planner import GRAPH_BACKENDS, Plan, Planner, default_ragged_config, graph_config
+from .._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
+from .._recorder import RECORDER
+from ..kernels._config import KernelConfig
+from ..tuning_db import BatchStats, Measurement
+from .records import PadsRing, Record
+
+__all__ = ["Runtime", "Options", "POLICIES", "pad_mask"]
+
+log = logging.getLogger("autoragged")
+POLICIES = ("auto", "padded", "ragged")
+_RING = 10_000
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
+# Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once an arm that
+# needs no lengths (padded, padded graph, the ragged graph fed the mask) won a (B, L) shape _TRUST times in
+# a row, counting that cost against the others, batches of the shape skip the read (every _RECHECK-th
+# still reads, to notice a change) and run that arm on the mask itself: nothing synchronises.
+# The verdicts come from predictions; on the GPU they are checked by timing: the judged batches that read
+# lengths and the first _PROBES of a trusted shape run fed the mask are timed with CUDA events (harvested
+# later, never blocking), and a shape whose unread arm measured slower than its read path plus the read is
+# not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23).
+_TRUST = 3
+_RECHECK = 16
+_MAX_SHAPES = 4096
+_PROBES = 3
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `wrap()` was asked for (see its docstring); a module re-bound after a structure change keeps them."""
+
+    policy: str = "auto"
+    db_path: Path | None = None
+    sample_every: int = 32
+    explore: bool = True
+    validate_lengths: bool = True
+    config: KernelConfig | None = None
+    graphs: bool = True
+    graph_cap: int = 16
+
+
+def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
+    """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
+    return [streak, arm, 0, predicted or {}, tokens, {"read": [], "unread": [], "left": _PROBES, "lost": False}, None]
+
+
+def pad_mask(lens: tuple[int, ...], L: int, device: torch.device) -> torch.Tensor:
+    """(B, L) bool, True = pad, built on the device from host lengths (no sync)."""
+    dev_lengths = Layout.make(lens, 1).device_meta(device)[1]
+    return torch.arange(L, device=device, dtype=torch.int32)[None, :] >= dev_lengths[:, None]
+
+
+class _HostTimer:
+    """A CUDA event's timing interface on the host clock, for CPU batches (their ops run synchronously)."""
+
+    __slots__ = ("t",)
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostTimer) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _timers(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    return _HostTimer(), _HostTimer()
+
+
+class Runtime:
+    """The runtime state of one wrapped module (held by the module as `_autoragged`)."""
+
+    def __init__(self, module: nn.Module, adapter, options: Options):
+        self.adapter, self.options = adapter, options
+        self.policy = options.policy
+        self.graphs_enabled = options.graphs
+        self.graph_cap = options.graph_cap
+        self.graphs = None  # GraphCache, made on the first graph arm
+        self.graph_min_seen = 2  # capture a bucket when it is asked for the second time
+        self._probe, self._probe_epoch = None, -1
+        self._params, self._params_epoch = [], -1
+        self.db_path = options.db_path
+        self.sample_every = options.sample_every
+        self.explore = options.explore
+        self.validate_lengths = options.validate_lengths
+        self.forced_config = options.config
+        self.body = body = adapter.bind(module)
+        self.static_reason = body.static_reason
+        self.sig = body.sig
+        self.sig_key = body.sig.key
+        self.batch_first = body.batch_first
+        # the structure all of the above was derived from: a change re-binds the module (`_restructured`)
+        self._bound_epoch = param_epoch()
+        self.ring: deque[Record] = deque(maxlen=_RING)
+        self.planners: dict[torch.device, Planner] = {}
+        self.pending: deque = deque()
+        self.count = 0
+        # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions,
+        #           the last judged batch's tokens (the mask graph's linears pick their tiles for them),
+        #           the probe: {"read": ms of timed read-path runs, "unread": ms of timed unread runs,
+        #           "left": unread runs still to time, "lost": the unread arm measured slower},
+        #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
+        #           to it, the GraphCache generation it was seen in, the record's reason, the device key)]
+        self.mask_shapes: dict[tuple[int, int], list] = {}
+        # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
+        self.sync_samples: deque[float] = deque(maxlen=16)
+        self.pads_ring: PadsRing | None = None
+
+    # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
+                     pads_ring=None, sync_samples=deque(maxlen=16))  # fmt: skip
+        return state
+
+    def _restructured(self, module) -> bool:
+        """True if the module's structure changed since this runtime was bound to it (a layer replaced,
+        added, removed, a norm or a submodule swapped): then the module is bound to a fresh runtime (its
+        body, support check, signature, hooks watched, graphs and planners made anew; the decision history
+        kept), which takes the call. The layers the ragged arms run would otherwise be the old ones.
+        Called when the registration epoch moved or the body saw its layer list change (see `run`)."""
+        if not self.body.restructured(module):
+            self._bound_epoch = param_epoch()
+            return False
+        self._harvest(wait=True)  # sampled batches still in flight get their timings recorded
+        fresh = Runtime(module, self.adapter, self.options)
+        fresh.graph_min_seen, fresh.ring = self.graph_min_seen, self.ring
+        module._autoragged = fresh
+        log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
+        return True
+
+    # -- the hot path -------------------------------------------------------------------------
+    def run(self, module, call):
+        """The output of `module` on `call` (an adapter's Call), through the arm this batch gets."""
+        if (self._bound_epoch != param_epoch() or self.body.layers_moved(module)) and self._restructured(module):
+            return module._autoragged.run(module, call)
+        kpm = call.kpm
+        # a mask alone, of a trusted shape whose graph is kept: `_replay_unread`
+        if call.lengths is None and not call.causal and kpm is not None and call.reason is None:
+            shape = self.mask_shapes.get((call.B, call.L))
+            if shape is not None and shape[6] is not None:
+                out = self._replay_unread(module, call, shape)
+                if out is not None:
+                    return out
+        if call.passthrough is not None:
+            # an input the wrapper does not run: the original module handles it, and we record that we let it
+            self._record(Record(BatchStats.from_lengths(()), PADDED, {}, call.passthrough,
+                                device_key(self._param().device), self.sig_key))  # fmt: skip
+            return call.original(module)
+        reason = self.static_reason or self._dynamic_reason(module, call)
+        ragged_in = call.ragged_in
+        B, L = call.B, call.L
+        mask_only = False
+        not_prefix = None
+        if ragged_in is not None:
+            lens = ragged_in.lengths
+        else:
+            # (a causal batch reads its lengths: the unread arms run the mask alone)
+            mask_only = (
+                call.lengths is None and kpm is not None and not call.causal and not reason and self.policy == "auto"
+            )
+            if mask_only:
+                shape = self.mask_shapes.get((B, L))
+                if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
+                    shape[2] += 1
+                    if shape[2] % _RECHECK:
+                        return self._run_unread(module, call, shape)
+                t0 = time.perf_counter()
+            lens, not_prefix = self._lengths(kpm, call.lengths, B, L)
+            if mask_only:
+                ms = (time.perf_counter() - t0) * 1e3
+                self.sync_samples.append(ms)
+            if not_prefix is not None and not reason and not call.any_padding:
+                reason = f"key padding mask row {not_prefix} is not right-padded"
+        stats = BatchStats.from_lengths(lens, padded_len=L)
+        if stats.max_len > L:
+            i = lens.index(stats.max_len)
+            raise ValueError(f"lengths[{i}] = {lens[i]} exceeds the padded length {L}")
+        plan = self._plan(call.device, stats, reason)
+        arm, why = plan.arm, plan.reason
+        free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
+        probe = None
+        cuda = call.device.type == "cuda"
+        if mask_only and free:
+            shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(call.device, stats), stats.total)
+            if shape[0] > 0 and not shape[5]["lost"] and len(shape[5]["read"]) < _PROBES:
+                probe = (shape[5], B, L, "read")  # a verdict for the unread arm: time the read path too
+        self.count += 1
+        sampled = self.sample_every > 0 and self.count % self.sample_every == 0
+        if sampled and self.explore and free:
+            alt = self.planners[call.device].explore(stats, arm)
+            if alt is not None:
+                arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
+        # a probe times the read path as the shape runs it: the planner's arm, not an explored one
+        probe = probe if probe is not None and cuda and self.sample_every > 0 and arm == plan.arm else None
+        sampled = sampled or probe is not None
+        if ragged_in is not None and arm.ragged and arm.config.align != ragged_in.align:
+            # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
+            # is captured for that alignment
+            arm = Arm(arm.kind, arm.config.replace(align=ragged_in.align))
+        if sampled:
+            captures = self.graphs.captures if self.graphs is not None else 0
+            start, end = _timers(call.device)
+            start.record()
+        out, note = self._execute(module, call, arm, lens, stats, not_prefix)
+        # the record is made once the arm's work is queued: a launch-bound batch's latency is the host time
+        # before its last launch, and bookkeeping after it overlaps the GPU's work
+        record = Record(stats, arm, plan.predicted_ms, why, device_key(call.device), self.sig_key)
+        if sampled and self.graphs is not None and self.graphs.captures != captures:
+            sampled = False  # this call captured a graph: its time is not the arm's latency
+        if note:  # a graph arm ran eagerly this time: record what really ran, and why
+            record.arm = Arm(arm.kind[: -len("_graph")], arm.config) if arm.graph else arm
+            record.reason = f"{why}; {note}"
+            probe = None  # not how the shape runs once its graph is captured
+        if sampled:
+            end.record()
+            self.ring.append(record)
+            self.pending.append((start, end, record, call.device, free, probe))
+        else:
+            self._record(record)
+        if self.pending:
+            self._harvest()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autoragged %s: B=%d max_len=%d total=%d -> %s (%s)", self.sig_key, stats.batch,
+                      stats.max_len, stats.total, record.arm.label, record.reason)  # fmt: skip
+        if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
+            self._log_summary()
+        return out
+
+    @property
+    def sync_ms(self) -> float:
+        """The read's own cost: the least of the recent reads' host times. A read also waits for the work
+        queued before it (the first one for compiles and captures: 30-100 ms on the H100 host), which is
+        not the read's doing; an average of those had every shape skip its reads."""
+        return min(self.sync_samples) if self.sync_samples else 0.0
+
+    def _mask_graph_arm(self, device: torch.device, stats: BatchStats) -> Arm | None:
+        """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
+        rows the graph counts on the device), or None where graphs do not run. Fed the mask or the lengths
+        it does the same work, so the batch's own prediction for it holds for either."""
+        if not (self.graphs_enabled and device.type == "cuda" and self.body.mask_graph):
+            return None
+        return Arm("ragged_graph", graph_config(self.body.head_dim, stats.max_len, "triton"))
+
+    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
+        """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
+        mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?"""
+        unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
+        mask_label = mask_arm.label if mask_arm is not None else None
+        # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
+        needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
+        if mask_label in predicted:
+            unread[mask_label] = predicted[mask_label]
+        if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
+            self.mask_shapes.clear()
+        entry = self.mask_shapes.get((B, L)) or self.mask_shapes.setdefault((B, L), _shape_entry())
+        best = min(unread, key=unread.get) if unread else None
+        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms)
+        if wins and not entry[5]["lost"]:
+            entry[0] += 1
+            arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            if arm != entry[1]:  # another arm: its timings start afresh, and its graph is not the one kept
+                entry[5].update(read=[], unread=[], left=_PROBES)
+                entry[6] = None
+            entry[1] = arm
+            entry[3], entry[4] = predicted, tokens
+        else:
+            entry[0] = 0
+        return entry
+
+    def _run_unread(self, module, call, shape: list):
+        """A mask-only batch of a shape (its `mask_shapes` entry) where an arm that needs no lengths wins: run
+        it on the mask, lengths never read. The record carries the predictions of the shape's last judged
+        batch (of `tokens`). The shape's first `_PROBES` runs that replay (not capture) are timed for
+        `_probe_result`. Once the arm's graph replays untimed, the entry keeps it for `_replay_unread`."""
+        arm, predicted, tokens, probe = shape[1], shape[3], shape[4], shape[5]
+        B, L = call.B, call.L
+        self.count += 1
+        why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
+        cuda = call.device.type == "cuda"
+        timed = probe["left"] > 0 and cuda and self.sample_every > 0
+        if timed:
+            captures = self.graphs.captures if self.graphs is not None else 0
+            start, end = _timers(call.device)
+            start.record()
+        out, pads, width, note, graph = self._execute_unread(module, call, arm, tokens)
+        if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
+            end.record()
+            probe["left"] -= 1
+            self.pending.append((start, end, None, call.device, False, (probe, B, L, "unread")))
+        if note is not None:
+            arm, why = PADDED, f"{why}; {note}"
+        record = Record(None, arm, predicted, why, device_key(call.device), self.sig_key)
+        if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
+            self.pads_ring = PadsRing(pads.device)
+        if graph is not None and not timed:
+            shape[6] = (weakref.ref(graph), self.graphs.generation, why, record.device)
+        return self._unread_done(record, pads, width, B, L, out)
+
+    def _replay_unread(self, module, call, shape: list):
+        """The hot path of a trusted mask-only shape whose arm's graph is captured (`shape[6]`): the fewest
+        steps before the replay, because a short batch's latency is the host time before its replay plus
+        the GPU's. None when this batch must take the general path instead: the shape is not trusted, it is
+        due a read or a timing, something differs (`_dynamic_reason`, the input), or the graph left the
+        cache."""
+        ref, generation, why, device = shape[6]
+        graphs = self.graphs
+        if (
+            shape[0] < _TRUST or (shape[2] + 1) % _RECHECK == 0 or (shape[5]["left"] > 0 and self.sample_every > 0)
+            or graphs is None or graphs.generation != generation or not self.graphs_enabled or self.policy != "auto"
+            or call.passthrough is not None or call.ragged_in is not None or call.eager_only is not None
+        ):  # fmt: skip
+            return None
+        if call.kpm.shape != (call.B, call.L):
+            return None
+        if self.static_reason or self._dynamic_reason(module, call) is not None:
+            return None
+        graphs._check_params(self._parameters(module))
+        graph = ref()
+        if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
+            return None
+        shape[2] += 1
+        self.count += 1
+        out = graph.run_mask(call.x, call.kpm)
+        graphs.graphs.move_to_end(graph.key)  # most recently used
+        return self._unread_done(Record(None, shape[1], shape[3], why, device, self.sig_key), graph.pads,
+                                 graph.width, call.B, call.L, call.finish(out))  # fmt: skip
+
+    def _unread_done(self, record: Record, pads: torch.Tensor, width: int, B: int, L: int, out):
+        """After an unread batch's work is queued: its record (stats deferred), harvest, logs; returns out."""
+        record.defer(pads, width, L, self.pads_ring)
+        self._record(record)
+        if self.pending:
+            self._harvest()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autoragged %s: B=%d L=%d (lengths not read) -> %s", self.sig_key, B, L, record.arm.label)
+        if self.count % _SUMMARY_EVERY == 0 and log.isEnabledFor(logging.INFO):
+            self._log_summary()
+        return out
+
+    def _execute_unread(self, module, call, arm: Arm, tokens: int = 0):
+        """(output, per-row pad counts, the columns they count over, None, the graph or None) of an arm run
+        on the mask itself (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens`
+        rows when > 0); the note says why it ran eagerly padded instead."""
+        note = None
+        device = call.device
+        if not arm.graph:
+            pass
+        elif not self.graphs_enabled:
+            note = "graphs are off (wrap(graphs=False))"
+        elif self._graph_cache(device) is None:
+            note = "CUDA graphs need a GPU"
+        elif call.eager_only is not None:
+            note = call.eager_only
+        else:
+            B, L, dtype = call.B, call.L, self._param().dtype
+            if arm.ragged:
+                graph, note = self.graphs.ragged_mask(
+                    self, module, arm.config, False, B, L, dtype, device, tokens or None
+                )
+            else:
+                graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask")
+            if graph is not None:
+                out = graph.run_mask(call.x, call.kpm)
+                out = call.finish(out) if arm.ragged else call.finish_padded(out)
+                return out, graph.pads, graph.width, None, graph
+        out = call.padded_mask(module)
+        return out, call.kpm.sum(1, dtype=torch.int32), call.L, note, None
+
+    def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
+        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,
+        a shape whose unread arm took longer than its read path plus the read's cost loses its trust
+        (the predictions said otherwise)."""
+        probe[kind].append(ms)
+        if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
+            return
+        unread, read = min(probe["unread"]), min(probe["read"])
+        if unread > read + self.sync_ms:
+            probe["lost"] = True
+            entry = self.mask_shapes.get((B, L))
+            if entry is not None and entry[5] is probe:
+                entry[0] = 0
+            log.info(
+                "autoragged %s: B=%d L=%d fed the mask took %.3f ms, reading lengths %.3f + %.3f ms: reading them",
+                self.sig_key, B, L, unread, read, self.sync_ms,
+            )  # fmt: skip
+
+    def _log_summary(self) -> None:
+        """One INFO line about the last _SUMMARY_EVERY batches of this module."""
+        last = list(self.ring)[-_SUMMARY_EVERY:]
+        counts: dict[str, int] = {}
+        for r in last:
+            counts[r.arm.kind] = counts.get(r.arm.kind, 0) + 1
+        shares = ", ".join(f"{k} {v / len(last):.0%}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        timed = [r.measured_ms for r in last if r.measured_ms is not None]
+        extra = f"; median sampled latency {sorted(timed)[len(timed) // 2]:.3f} ms" if timed else ""
+        log.info("autoragged %s: %d batches so far; last %d: %s%s", self.sig_key, self.count, len(last), shares, extra)
+
+    def _param(self) -> torch.Tensor:
+        """A parameter whose dtype and device stand for the module's (the body names it). Cached, and
+        re-read when any parameter was re-registered (module attribute lookups cost microseconds)."""
+        if self._probe_epoch != param_epoch():
+            self._probe, self._probe_epoch = self.body.probe(), param_epoch()
+        return self._probe
+
+    def _record(self, record: Record, measurement: Measurement | None = None) -> None:
+        if measurement is None:
+            self.ring.append(record)
+        if self.db_path is not None:
+            RECORDER.add(self.db_path, record.device, record, measurement)
+
+    def _parameters(self, module) -> list[nn.Parameter]:
+        """The module's parameters, re-listed only when a parameter or module was registered anywhere
+        (`param_epoch`). Read on every batch: their requires_grad flags by the autograd check (a frozen model
+        called with grad mode on walked its module tree per batch before, 143 us on the CoRa encoder on a CPU
+        host, against 8 us for the flags of the kept list), their storage by the graph cache."""
+        if self._params_epoch != param_epoch():
+            self._params, self._params_epoch = list(module.parameters()), param_epoch()
+        return self._params
+
+    def _dynamic_reason(self, module, call) -> str | None:
+        """Why this call must run padded (the call's own reason first), or None."""
+        if call.reason is not None:
+            return call.reason
+        p = self._param()
+        if call.dtype != p.dtype or call.device != p.device:
+            return f"input {call.dtype} on {call.device} differs from the parameters ({p.dtype} on {p.device})"
+        if torch.is_grad_enabled() and (call.requires_grad or any(map(_REQUIRES_GRAD, self._parameters(module)))):
+            return "autograd is on (no backward kernels yet)"
+        if module.training and self.body.has_dropout:
+            return "training mode with dropout"
+        if torch.is_autocast_enabled(call.device.type):
+            return "autocast"
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return "global forward hooks"
+        if self.body.hooked():
+            return "forward hooks on submodules"
+        return None
+
+    def _lengths(self, kpm, lengths, B, L) -> tuple[tuple[int, ...], int | None]:
+        """(host lengths, first non-prefix mask row or None)."""
+        if lengths is not None:
+            lens = as_lengths(lengths)
+            if len(lens) != B:
+                raise ValueError(f"got {len(lens)} lengths for a batch of {B}")
+            if kpm is not None and self.validate_lengths and kpm.dtype == torch.bool:
+                from_mask, not_prefix = mask_lengths(kpm, batch=B, seq_len=L)
+                if from_mask != lens:
+                    i = next(i for i, (a, b) in enumerate(zip(lens, from_mask)) if a != b)
+                    raise ValueError(
+                        f"lengths[{i}] = {lens[i]} but the padding mask's row {i} has {from_mask[i]} real tokens "
+                        "(wrap(..., validate_lengths=False) skips this check and its device sync)"
+                    )
+                if not_prefix is not None:
+                    raise ValueError(
+                        f"lengths= says each row's real tokens come first, but the padding mask's row {not_prefix} "
+                        "is not right-padded; pass the mask alone for other padding (or pad on the right)"
+                    )
+            return lens, None
+        if kpm is not None:
+            if kpm.dtype.is_floating_point:  # PyTorch's float convention: -inf = pad, added to the scores
+                self._check_float_mask(kpm)
+                kpm = torch.isneginf(kpm)
+            return mask_lengths(kpm, batch=B, seq_len=L)
+        return (L,) * B, None
+
+    def _check_float_mask(self, kpm: torch.Tensor) -> None:
+        """Warn (once per module) about a float key padding mask holding values other than 0 and -inf: an
+        HF-style mask (1.0 = keep) passed to a PyTorch encoder, which adds it to the attention scores (rows
+        of pads only then give NaN). A second device->host copy, on a path that runs padded anyway."""
+        if getattr(self, "_float_mask_warned", False):
+            return
+        if not bool(((kpm == 0) | torch.isneginf(kpm)).all()):
+            self._float_mask_warned = True
+            log.warning(
+                "autoragged %s: the float key padding mask holds values other than 0 and -inf; PyTorch adds a float "
+                "mask to the attention scores (-inf = pad), so a 1 = keep mask is not a padding mask. Pass a bool "
+                "mask, True = pad (e.g. attention_mask == 0)", self.sig_key,
+            )  # fmt: skip
+
+    def _plan(self, device: torch.device, stats: BatchStats, reason: str | None) -> Plan:
+        if reason:
+            return Plan(PADDED, {}, reason)
+        if self.policy == "padded":
+            return Plan(PADDED, {}, "policy=padded")
+        if self.policy == "ragged":
+            config = self.forced_config or default_ragged_config(self.body.head_dim, stats.max_len)
+            return Plan(Arm("ragged", config), {}, "policy=ragged")
+        planner = self.planners.get(device)
+        if planner is None:
+            planner = self.planners[device] = self._make_planner(device)
+        return planner.plan(stats)
+
+    def _make_planner(self, device: torch.device) -> Planner:
+        from .._learned import load_planner_inputs
+
+        key = device_key(device)
+        learned = load_planner_inputs(self.db_path, key, self.sig)
+        head_dim = self.body.head_dim
+        model, shortlist = learned if learned is not None else (AnalyticPrior(key), None)
+        graphs = self.graphs_enabled and device.type == "cuda"
+        padded_graph = graphs and self.body.padded_forward is not None
+        backends = GRAPH_BACKENDS if self.body.mask_graph else ("cublas",)
+
+        def candidates(stats: BatchStats) -> list[Arm]:
+            arms = shortlist(stats) if shortlist else [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
+            if graphs:  # replayed as graphs, with the configs the tuner measures graphs with
+                arms = [*arms, *(Arm("ragged_graph", graph_config(head_dim, stats.max_len, b)) for b in backends)]
+                if padded_graph:
+                    arms.append(PADDED_GRAPH)
+            return arms
+
+        return Planner(self.sig, model, candidates)
+
+    def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix):
+        """Run `arm`; returns (output, note) where note says why a graph arm ran eagerly (else None)."""
+        note = None
+        if arm.graph:
+            out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix)
+            if note is None:
+                return out, None
+        if not arm.ragged:
+            return call.padded(module, lens, stats), note
+        body, ragged_in, config = self.body, call.ragged_in, arm.config
+        hidden = [] if call.wants_hidden else None
+        if ragged_in is not None:
+            values = body.values(ragged_in.values, ragged_in.layout, config, call.causal, hidden)
+            return call.finish(ragged_in.with_values(values), hidden), note
+        seq_axis = 1 if self.batch_first else 0
+        x = call.x
+        if not_prefix is not None:  # any padding pattern: packed and unpacked by the mask
+            rt = _pack_by_mask(x, call.kpm, lens, seq_axis)
+        else:
+            rt = _from_padded(x, lens, config.align, seq_axis)
+        values = body.values(rt.values, rt.layout, config, call.causal, hidden)
+        unpack = (
+            (lambda v: _unpack_by_mask(v, rt, call.kpm, seq_axis))
+            if not_prefix is not None
+            else (lambda v: _to_padded(RaggedTensor(v, rt.layout), 0.0, call.L, seq_axis))
+        )
+        if hidden is not None:
+            hidden = [unpack(h) for h in hidden]
+        return call.finish(unpack(values), hidden), note
+
+    def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix):
+        """(output, None) from a replayed graph, or (None, why it must run eagerly)."""
+        device = call.device
+        if self._graph_cache(device) is None:
+            return None, "CUDA graphs need a GPU"
+        if call.eager_only is not None:
+            return None, call.eager_only
+        ragged_in = call.ragged_in
+        if arm.ragged:
+            if not_prefix is not None:
+                return None, "the padding is not on the right (the graph packs by lengths)"
+            align = arm.config.align
+            rows = stats.total if align == 1 else Layout.make(lens, align).rows
+            if ragged_in is not None and not ragged_in.layout.same_as(Layout.make(lens, align)):
+                return None, f"the input's layout (align {ragged_in.align}) is not the graph's (align {align})"
+            io = "values" if ragged_in is not None else "padded"
+            dtype = self._param().dtype
+            graph, note = self.graphs.ragged(self, module, arm.config, call.causal, stats, rows, dtype, device, io)
+            if graph is None:
+                return None, note
+            # no inference_mode here: the static buffers are plain tensors (GraphCache._get), and entering
+            # the context costs tens of microseconds of host time on a launch-bound batch
+            if ragged_in is not None:
+                return call.finish(ragged_in.with_values(graph.run_values(ragged_in.values, lens))), None
+            return call.finish(graph.run_padded(call.x, lens)), None  # reads x, writes a fresh output
+        if call.causal:
+            return None, "the padded graph takes no attn_mask"
+        seq_axis = 1 if self.batch_first else 0
+        padded = _to_padded(ragged_in, 0.0, call.L, seq_axis) if ragged_in is not None else call.x
+        graph, note = self.graphs.padded(self, module, stats.batch, call.L, padded.dtype, device)
+        if graph is None:
+            return None, note
+        out = graph.run(padded, lens)
+        if ragged_in is not None:
+            out = _from_padded(out, lens, ragged_in.align, seq_axis)
+        return call.finish_padded(out), None
+
+    def _graph_cache(self, device: torch.device):
+        """The module's GraphCache (made on first use), or None off the GPU."""
+        if device.type != "cuda":
+            return None
+        if self.graphs is None:
+            from .graphs import GraphCache
+
+            self.graphs = GraphCache(cap=self.graph_cap, min_seen=self.graph_min_seen)
+        return self.graphs
+
+    def _harvest(self, wait: bool = False) -> None:
+        """Read the timings of sampled batches whose end event has completed; waits only if `wait`."""
+        while self.pending:
+            start, end, record, device, free, probe = self.pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            self.pending.popleft()
+            ms = start.elapsed_time(end)
+            if probe is not None:
+                self._probe_result(*probe, ms)
+            if record is None:  # a timed unread run: its record went out when it ran
+                continue
+            record.measured_ms = ms
+            if free and device in self.planners:
+                self.planners[device].observe(record.stats, record.arm, ms)
+            config = None if record.arm.config is None else record.arm.config.to_dict()
+            measurement = Measurement(
+                record.device.key, record.signature, record.arm.kind, config, record.stats,
+                ms, ms, ms, 1, record.time, source="runtime",
+                extra={"ladder": LADDER_VERSION} if record.arm.graph else {},
+            )  # fmt: skip
+            self._record(record, measurement)
+
+
+def _mask_rows(kpm: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(B * L,) int64: the values row of each padded position (real tokens in order from their component's
+    offset; pads point at the spare row `layout.rows`)."""
+    real = ~kpm
+    offsets = layout.device_meta(kpm.device)[0][:-1].to(torch.int64)
+    rank = real.to(torch.int64).cumsum(1) - 1 + offsets[:, None]
+    return torch.where(real, rank, layout.rows).reshape(-1)
+
+
+def _pack_by_mask(x: torch.Tensor, kpm: torch.Tensor, lens: tuple[int, ...], seq_axis: int) -> RaggedTensor:
+    """x's real tokens (kpm False, any pattern) packed back to back, align 1; no device sync."""
+    layout = Layout.make(lens, 1)
+    src = x if seq_axis == 1 else x.transpose(0, 1)
+    B, L = kpm.shape
+    flat = src.reshape(B * L, *src.shape[2:])
+    values = flat.new_empty((layout.rows + 1, *src.shape[2:]))
+    values.index_copy_(0, _mask_rows(kpm, layout), flat)  # pads all land on the spare row
+    return RaggedTensor(values[: layout.rows], layout)
+
+
+def _unpack_by_mask(values: torch.Tensor, rt: RaggedTensor, kpm: torch.Tensor, seq_axis: int) -> torch.Tensor:
+    """The inverse of `_pack_by_mask`: values back at their padded positions, zeros at the pads."""
+    B, L = kpm.shape
+    spare = torch.cat([values[: rt.layout.rows], values.new_zeros((1, *values.shape[1:]))])
+    out = spare.index_select(0, _mask_rows(kpm, rt.layout)).view(B, L, *values.shape[1:])
+    return out if seq_axis == 1 else out.transpose(0, 1)

@@ -1,0 +1,150 @@
+"""Decision records on their way out, and the pinned ring that brings the stats of unread batches to the host.
+
+A record is cheap to make on the hot path; its `BatchStats` may arrive later (a mask-only batch whose
+lengths were never read: the device counts its pads, a non-blocking copy brings them home).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..tuning_db import BatchStats, Decision
+
+__all__ = ["Record", "PadsRing"]
+
+
+class Record:
+    """A decision on its way out: cheap to make on the hot path, a `Decision` when read.
+
+    The stats of a batch whose lengths were not read on the hot path arrive later: `defer` copies the
+    per-row pad counts to the host without waiting, and the first read of `stats` (the recorder's thread,
+    a harvest, `recent_decisions`) waits for that copy. The wait makes no CUDA call: the pinned slot was
+    filled with -1 (never a pad count) before the copy, and the copy is done when no -1 is left. A CUDA
+    call from the recorder's thread (an event sync) while any thread captures a CUDA graph in PyTorch's
+    default global mode invalidates that capture (seen on the H100: a user's capture failed)."""
+
+    __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
+
+    def __init__(self, stats, arm, predicted_ms, reason, device, signature):
+        self.time = time.time()
+        self._stats = stats
+        self._pending = None
+        self.arm = arm
+        self.predicted_ms = predicted_ms
+        self.reason = reason
+        self.measured_ms = None
+        self.device = device
+        self.signature = signature
+
+    def defer(self, pads: torch.Tensor, width: int, L: int, ring: PadsRing | None) -> None:
+        """Stats of a (B, L) batch from `pads` (B,) int32, each row's pad count over `width` >= L columns,
+        read when needed (a CUDA `pads` goes through `ring`, without waiting)."""
+        if pads.is_cuda:
+            host, event = ring.put(pads, self)
+            self._pending = (host, event, width, L)
+        else:
+            self._pending = (pads, None, width, L)
+
+    @property
+    def stats(self) -> BatchStats:
+        if self._pending is not None:
+            with _RESOLVE:  # the recorder's thread and the hot path (a ring slot's reuse) may both get here
+                pending = self._pending
+                if pending is not None:
+                    host, event, width, L = pending
+                    pads = host.tolist()
+                    if event is not None:
+                        pads = _wait_for_copy(host, pads, event)
+                    self._stats = BatchStats.from_lengths(tuple(width - p for p in pads), padded_len=L)
+                    self._pending = None
+        return self._stats
+
+    def decision(self) -> Decision:
+        config = None if self.arm.config is None else self.arm.config.to_dict()
+        return Decision(
+            self.time, self.device.key, self.signature, self.stats, self.arm.kind, config,
+            dict(self.predicted_ms), self.reason, self.measured_ms,
+        )  # fmt: skip
+
+
+_RESOLVE = threading.Lock()
+_COPY_TIMEOUT_S = 30.0
+
+
+def _wait_for_copy(host: torch.Tensor, values: list[int], event) -> list[int]:
+    """The pad counts once the device->host copy into `host` (pre-filled with -1) has landed, polling the
+    pinned memory. Only a copy still missing after _COPY_TIMEOUT_S falls back to the event (which raises
+    the device's error, if that is why)."""
+    deadline = None
+    while -1 in values:
+        now = time.monotonic()
+        deadline = deadline or now + _COPY_TIMEOUT_S
+        if now > deadline:
+            event.synchronize()
+            return host.tolist()
+        time.sleep(50e-6)
+        values = host.tolist()
+    return values
+
+
+class PadsRing:
+    """Pinned host slots for the pad counts of batches whose lengths were not read: one non-blocking copy
+    and one event per batch, no allocation. Once per round of `slots` batches, before slot 0 is reused,
+    the counts of records nobody has read yet move off the ring in one clone (after the round's last copy
+    has landed: long done, unless the host ran a round ahead of the device); records read earlier resolve
+    themselves. Resolving one old record per batch instead (its copy-out and BatchStats) made `put` take
+    53 us per batch under cProfile on the H100 host (2026-11-23).
+    A slot reads -1 until its copy lands (a pad count is never -1: `Record.stats` polls, no CUDA call): the
+    whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views
+    are made once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
+
+    def __init__(self, device: torch.device, slots: int = 64):
+        self.device, self.slots, self.width, self.i = device, slots, 0, 0
+        self.host = None
+        self.views: dict[int, list[torch.Tensor]] = {}
+        self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.owners: list[Record | None] = [None] * slots
+
+    def put(self, pads: torch.Tensor, record: Record):
+        from .graphs import record_event
+
+        B = pads.shape[0]
+        if B > self.width:  # records still pending keep views of the old buffer, which is never written again
+            self.width = max(B, 2 * self.width)
+            # a plain tensor whatever mode this call is in: a buffer made under inference_mode is an inference
+            # tensor, and the copies and fills of later calls under no_grad would raise
+            with torch.inference_mode(False):
+                self.host = torch.full((self.slots, self.width), -1, dtype=torch.int32).pin_memory()
+            self.views = {}
+            self.owners = [None] * self.slots
+        self.i = i = (self.i + 1) % self.slots
+        if i == 0:
+            self._release()
+        views = self.views.get(B)
+        if views is None:
+            views = self.views[B] = list(self.host[:, :B].unbind(0))
+        view = views[i]
+        view.copy_(pads, non_blocking=True)
+        record_event(self.events[i], self.device.index)
+        self.owners[i] = record
+        return view, self.events[i]
+
+    def _release(self) -> None:
+        """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
+        not landed (-1) again: all slots are free."""
+        from .graphs import event_done
+
+        pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
+        self.owners = [None] * self.slots
+        event_done(self.events[(self.i - 1) % self.slots])  # the newest copy; copies land in stream order
+        if pending:
+            snapshot = self.host.clone()
+            with _RESOLVE:
+                for j, record in pending:
+                    if record._pending is not None:
+                        host, _, width, L = record._pending
+                        record._pending = (snapshot[j, : host.shape[0]], None, width, L)
+        self.host.fill_(-1)
