@@ -107,6 +107,8 @@ def _targets(model: nn.Module) -> tuple[list, list[str]]:
     for adapter in adapters_for(model):
         found += [(adapter, m) for m in adapter.targets(model)]
         skipped += adapter.skipped(model)
+    taken = {id(m) for _, m in found}
+    skipped = [why for m, why in skipped if id(m) not in taken]
     inside: set[int] = set()
     order = {id(m): i for i, m in enumerate(model.modules())}
     kept = []

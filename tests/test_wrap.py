@@ -266,6 +266,13 @@ def test_deepcopy_and_rewrap():
     enc = autoragged.wrap(make_encoder(), db=False, policy="ragged")
     twin = copy.deepcopy(enc)
     assert type(twin).__name__ == "DispatchingTransformerEncoder" and twin._autoragged.policy == "ragged"
+    # the copy runs its own parameters: changed in the twin only, the twin's output follows
+    x, mask = batch([8, 4], 64, "cpu")
+    with torch.no_grad():
+        twin.layers[0].linear1.bias.add_(1.0)
+        want = nn.TransformerEncoder.forward(twin, x, src_key_padding_mask=mask).masked_fill(mask[..., None], 0.0)
+        torch.testing.assert_close(twin(x, src_key_padding_mask=mask), want, rtol=1e-4, atol=1e-4)
+        assert (enc(x, src_key_padding_mask=mask) - want).abs().max() > 1e-2
     autoragged.wrap(twin, db=False, policy="padded")
     assert twin._autoragged.policy == "padded" and enc._autoragged.policy == "ragged"
 

@@ -90,6 +90,7 @@ class Call:
     causal = False
     ragged_in = None
     any_padding = False
+    padding_note = ""  # said after "key padding mask row N is not right-padded" when any_padding is False
     reason = None
     passthrough = None
     eager_only = None

@@ -33,7 +33,7 @@ class DispatchingTransformerEncoder(nn.TransformerEncoder):
     """
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None, *, lengths=None):
-        runtime = self._autoragged
+        runtime = self._autoragged.ready(self)
         return runtime.run(self, TorchCall(runtime.body, src, mask, src_key_padding_mask, is_causal, lengths))
 
 
@@ -41,7 +41,7 @@ class DispatchingTransformerEncoderLayer(nn.TransformerEncoderLayer):
     """An `nn.TransformerEncoderLayer` whose forward picks padded or ragged per batch."""
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False, *, lengths=None):
-        runtime = self._autoragged
+        runtime = self._autoragged.ready(self)
         return runtime.run(self, TorchCall(runtime.body, src, src_mask, src_key_padding_mask, is_causal, lengths))
 
 
@@ -210,12 +210,12 @@ class TorchEncoderAdapter:
                 found.append(module)
         return found
 
-    def skipped(self, model: nn.Module) -> list[str]:
+    def skipped(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
         """Subclasses of PyTorch's encoder modules in `model`, with why they are not wrapped (their forward
         may compute something else; the layers inside one are wrapped on their own)."""
         return [
-            f"{name or 'the model'} is a {type(m).__name__}, a subclass of nn.{m.__class__.__mro__[1].__name__}"
-            " (only the exact classes are wrapped: their forward may differ)"
+            (m, f"{name or 'the model'} is a {type(m).__name__}, a subclass of nn.{m.__class__.__mro__[1].__name__}"
+             " (only the exact classes are wrapped: their forward may differ)")
             for name, m in model.named_modules()
             if isinstance(m, (nn.TransformerEncoder, nn.TransformerEncoderLayer)) and type(m) not in _DISPATCHING
             and type(m) not in _BASE

@@ -157,9 +157,11 @@ class Runtime:
 
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
+        """A copy (deepcopy, pickle) re-binds to its module on its first call: the body holds the modules."""
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
-                     pads_ring=None, sync_samples=deque(maxlen=16))  # fmt: skip
+                     pads_ring=None, sync_samples=deque(maxlen=16), body=None, _bound_epoch=-1, _probe=None,
+                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
 
     def _restructured(self, module) -> bool:
@@ -168,21 +170,28 @@ class Runtime:
         body, support check, signature, hooks watched, graphs and planners made anew; the decision history
         kept), which takes the call. The layers the ragged arms run would otherwise be the old ones.
         Called when the registration epoch moved or the body saw its layer list change (see `run`)."""
-        if not self.body.restructured(module):
+        if self.body is not None and not self.body.restructured(module):
             self._bound_epoch = param_epoch()
             return False
         self._harvest(wait=True)  # sampled batches still in flight get their timings recorded
         fresh = Runtime(module, self.adapter, self.options)
         fresh.graph_min_seen, fresh.ring = self.graph_min_seen, self.ring
         module._autoragged = fresh
-        log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
+        if self.body is not None:
+            log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
         return True
 
     # -- the hot path -------------------------------------------------------------------------
-    def run(self, module, call):
-        """The output of `module` on `call` (an adapter's Call), through the arm this batch gets."""
+    def ready(self, module) -> Runtime:
+        """The runtime to run `module`'s next call: this one, or a fresh one bound to its new structure. An
+        adapter's forward calls this before it reads the call (the call reads the body)."""
         if (self._bound_epoch != param_epoch() or self.body.layers_moved(module)) and self._restructured(module):
-            return module._autoragged.run(module, call)
+            return module._autoragged
+        return self
+
+    def run(self, module, call):
+        """The output of `module` on `call` (an adapter's Call, read with this runtime's body after `ready`),
+        through the arm this batch gets."""
         kpm = call.kpm
         # a mask alone, of a trusted shape whose graph is kept: `_replay_unread`
         if call.lengths is None and not call.causal and kpm is not None and call.reason is None:
@@ -220,7 +229,7 @@ class Runtime:
                 ms = (time.perf_counter() - t0) * 1e3
                 self.sync_samples.append(ms)
             if not_prefix is not None and not reason and not call.any_padding:
-                reason = f"key padding mask row {not_prefix} is not right-padded"
+                reason = f"key padding mask row {not_prefix} is not right-padded{call.padding_note}"
         stats = BatchStats.from_lengths(lens, padded_len=L)
         if stats.max_len > L:
             i = lens.index(stats.max_len)

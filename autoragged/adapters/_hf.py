@@ -1,0 +1,231 @@
+"""What every HuggingFace family shares: making a model dispatch, reading its call, and our attention
+registered with transformers' attention interface. Imported only by the HF adapters (it imports
+transformers).
+
+Dispatch: a wrapped base model (`BertModel`, the `bert` inside `BertForSequenceClassification`, the
+`auto_model` inside a SentenceTransformer) gets an instance attribute `forward` (class, `state_dict`,
+`save_pretrained` and transformers' per-class output capturing unchanged); `uninstall` deletes it. Its
+`__signature__` is the model's own plus `lengths=`, so callers that read the signature (sentence-transformers
+filters its features by it) see the same parameters.
+
+Attention: our varlen kernel is registered as "autoragged" (a name with neither "flash" nor "/": those make
+transformers take other paths). A body that runs the model's own layer modules on packed rows switches its
+config's `_attn_implementation` to it for the duration of the ragged arm (eager, or a CUDA-graph capture),
+with the layout in a context variable; any other call that reaches the function while a config is switched
+(another thread's padded call) runs the implementation the config had, and the mask function likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..ops import attention_values
+from .base import Call
+
+__all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked"]
+
+NAME = "autoragged"
+# (layout, config) of the ragged arm running in this context; None: not inside one
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("autoragged_ragged_arm", default=None)
+_SWITCHED: dict[int, str] = {}  # id(config) -> the implementation it had, while switched to NAME
+
+
+def _original(module) -> str:
+    return _SWITCHED.get(id(getattr(module, "config", None)), "sdpa")
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """transformers' attention-function convention: q (1, H, rows, Dh), k/v (1, Hkv, rows, Dh) -> (out
+    (1, rows, H, Dh), None). Outside a ragged arm: the implementation the module's config had."""
+    active = _ACTIVE.get()
+    if active is None:
+        impl = _original(module)
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                  sliding_window=sliding_window, **kwargs)  # fmt: skip
+    layout, config = active
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (rows, heads, Dh) views, no copies
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+    window = None if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
+    extra = {} if window is None else {"window": window}
+    out = attention_values(q, k, v, layout, causal=causal, scale=scaling, config=config, **extra)
+    return out[None], None
+
+
+def _mask(*args, **kwargs):
+    """The mask function paired with `_attention`: a ragged arm needs none (the layout is the mask); any
+    other call gets its config's original implementation's mask."""
+    if _ACTIVE.get() is not None:
+        return None
+    config = kwargs.get("config")
+    impl = _SWITCHED.get(id(config), "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[impl if impl in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"](*args, **kwargs)
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        AttentionInterface.register(NAME, _attention)
+        AttentionMaskInterface.register(NAME, _mask)
+        _registered = True
+
+
+@contextlib.contextmanager
+def ragged_attention_of(config, layout, kernel_config):
+    """Run the model's own attention modules as our varlen kernel over `layout` inside this block."""
+    _register()
+    token = _ACTIVE.set((layout, kernel_config))
+    key = id(config)
+    before = config._attn_implementation_internal
+    nested = key in _SWITCHED
+    if not nested:
+        _SWITCHED[key] = before
+    config._attn_implementation_internal = NAME
+    try:
+        yield
+    finally:
+        if not nested:
+            config._attn_implementation_internal = before
+            del _SWITCHED[key]
+        _ACTIVE.reset(token)
+
+
+def hidden_hooked(hook_dicts) -> bool:
+    """True when a hook other than transformers' own output capturing sits on a watched submodule (those
+    are inert outside a capturing forward: the ragged arm builds hidden states itself)."""
+    for hooks in hook_dicts:
+        if hooks:
+            for hook in hooks.values():
+                if getattr(hook, "__name__", "") != "output_capturing_hook":
+                    return True
+    return False
+
+
+# -- dispatch --------------------------------------------------------------------------------------------
+class _Forward:
+    """The instance-level `forward` of a wrapped HF base model."""
+
+    def __init__(self, module, call_type, params: tuple[str, ...]):
+        self.module, self.call_type, self.params = module, call_type, params
+        sig = inspect.signature(type(module).forward)
+        parameters = [p for name, p in sig.parameters.items() if name != "self"]
+        lengths = inspect.Parameter("lengths", inspect.Parameter.KEYWORD_ONLY, default=None)
+        tail = [p for p in parameters if p.kind == inspect.Parameter.VAR_KEYWORD]
+        head = [p for p in parameters if p.kind != inspect.Parameter.VAR_KEYWORD]
+        self.__signature__ = sig.replace(parameters=[*head, lengths, *tail])
+
+    def __call__(self, *args, lengths=None, **kwargs):
+        module = self.module
+        runtime = module._autoragged.ready(module)
+        if args:
+            if len(args) > len(self.params):
+                raise TypeError(f"{type(module).__name__}.forward takes {len(self.params)} positional arguments")
+            kwargs.update(zip(self.params, args))
+        return runtime.run(module, self.call_type(runtime.body, module, kwargs, lengths))
+
+
+def install(module, call_type) -> None:
+    params = tuple(
+        name
+        for name, p in inspect.signature(type(module).forward).parameters.items()
+        if name != "self" and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    )
+    module.forward = _Forward(module, call_type, params)
+
+
+def uninstall(module) -> None:
+    module.__dict__.pop("forward", None)
+
+
+# -- calls --------------------------------------------------------------------------------------------------
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "use_cache")
+
+
+class HFCall(Call):
+    """A call of a wrapped HF base model: its keyword arguments, read once.
+
+    kwargs the ragged arm takes: input_ids or inputs_embeds (B, L), attention_mask (B, L) with HF's
+    convention (1 / True = real token, any padding side), token_type_ids, position_ids, output_hidden_states,
+    return_dict, use_cache=False / None; `lengths=` (host ints, right padding) or a RaggedTensor of token
+    ids as input_ids. Anything else that is not None (output_attentions=True, a KV cache, cross-attention
+    inputs, packed-sequence kwargs, ...) runs the padded arm with the argument named as the reason."""
+
+    __slots__ = ("body", "module", "kwargs", "B", "L", "kpm", "lengths", "reason", "passthrough", "device", "dtype",
+                 "requires_grad", "wants_hidden", "eager_only", "return_dict", "_x", "ragged_in")  # fmt: skip
+
+    any_padding = True
+    causal = False
+
+    def __init__(self, body, module, kwargs: dict, lengths):
+        self.body, self.module, self.kwargs, self.lengths = body, module, kwargs, lengths
+        self.ragged_in = None
+        self.reason = self.passthrough = self.eager_only = self.kpm = self._x = None
+        config = module.config
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        first = ids if ids is not None else embeds
+        self.return_dict = kwargs.get("return_dict", getattr(config, "return_dict", True))
+        hidden = kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
+        self.wants_hidden = bool(hidden)
+        if self.wants_hidden:
+            self.eager_only = "hidden states asked for (the graph arms return the last one only)"
+        if not isinstance(first, torch.Tensor) or first.dim() != (2 if ids is not None else 3) or first.is_nested:
+            self.passthrough = "input is not a batched (B, L) input_ids or (B, L, D) inputs_embeds tensor"
+            self.B = self.L = 0
+            return
+        self.B, self.L = first.shape[0], first.shape[1]
+        self.device = first.device
+        self.dtype = embeds.dtype if embeds is not None else body.probe().dtype
+        self.requires_grad = embeds is not None and embeds.requires_grad
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.shape != (self.B, self.L):
+                self.reason = "attention_mask is not a (B, L) padding mask"
+            else:
+                self.kpm = ~mask if mask.dtype == torch.bool else mask == 0
+        if self.reason is None:
+            self.reason = self._unsupported(config, hidden)
+
+    def _unsupported(self, config, hidden) -> str | None:
+        kwargs = self.kwargs
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            return "output_attentions (the ragged arm computes no attention weights)"
+        if kwargs.get("use_cache"):
+            return "use_cache (a KV cache; pass use_cache=False for scoring)"
+        if not isinstance(hidden, bool) and hidden is not None:
+            return "output_hidden_states names layers"
+        for name, value in kwargs.items():
+            if value is not None and name not in _INPUTS and name not in _FLAGS:
+                return f"argument {name} (not supported by the ragged arm)"
+        return None
+
+    @property
+    def x(self):
+        """The padded (B, L, D) hidden states the ragged arm packs (the body's embedding step), made once."""
+        if self._x is None:
+            self._x = self.body.embed(self.module, self.kwargs)
+        return self._x
+
+    def original(self, module):
+        return self.body.forward_of(module)(**self.kwargs)
+
+    def padded(self, module, lens, stats):
+        return self.original(module)
+
+    def padded_mask(self, module):
+        return self.original(module)
+
+    def finish(self, y, hidden=None):
+        return self.body.output(self.module, self, y, hidden)

@@ -1,0 +1,321 @@
+"""HuggingFace encoders: the BERT family and ModernBERT, and every model that holds one (task heads,
+sentence-transformers' `SentenceTransformer` and `CrossEncoder`).
+
+What is wrapped is the base model (`BertModel`; the `bert` of `BertForSequenceClassification`; the
+`auto_model` of a SentenceTransformer): task heads and poolers outside it run as before, on its padded
+output. The padded arm is the base model's own forward, untouched (sdpa, or whatever it was loaded with).
+
+The ragged arm unpads once and repads once:
+- embeddings on the padded input, with the model's own embedding module: position ids, token types and
+  RoBERTa's `padding_idx + 1` positions come out exactly as the original computes them, for any padding side;
+- the layers on the packed real tokens;
+- last_hidden_state repadded (zeros at pads), pooler_output recomputed from it, every hidden state repadded.
+
+Two ways to run the layers:
+- fused (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ALBERT, DistilBERT): each layer as a spec of the
+  fused ragged encoder (autoragged/_encoder.py) over the layer's own parameters, the same kernels as the
+  PyTorch encoder: cuBLAS or Triton linears, our varlen attention, fused add+LayerNorm; every graph arm,
+  the mask-only graph included (its Triton linears stop at the rows the device counts);
+- modules (ModernBERT: pre-norm, GeGLU, rotary, local windows): the model's own layer modules on (1, rows, D),
+  with our varlen kernel as their attention through transformers' attention interface (adapters/_hf.py),
+  rotary positions counted within each sequence; eager and cuBLAS graphs.
+MPNet and DeBERTa do not route attention through the interface (a relative-position bias inside their
+attention): wrapped, they always run padded, with that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import modeling_outputs as outputs
+from transformers.activations import GELUActivation
+
+from .._encoder import EncoderLayerSpec, encoder_values
+from ..kernels.ragged_attention import HEAD_DIMS
+from ..tuning_db import ModuleSignature
+from . import _hf
+from .base import Body, EpochCache
+
+__all__ = ["ADAPTER", "FAMILIES"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _ln(norm: nn.LayerNorm):
+    return norm.weight, norm.bias, norm.eps
+
+
+def _lin(linear: nn.Linear):
+    return linear.weight, linear.bias
+
+
+def _activation(fn):
+    """"relu" / "gelu" when our linear's epilogue computes exactly `fn`, else `fn` itself (run after it)."""
+    if isinstance(fn, nn.ReLU) or fn is F.relu:
+        return "relu"
+    if (isinstance(fn, GELUActivation) and fn.act is F.gelu) or (isinstance(fn, nn.GELU) and fn.approximate == "none"):
+        return "gelu"
+    return fn
+
+
+def _act_name(act) -> str:
+    return act if isinstance(act, str) else type(act).__name__
+
+
+# -- the fused families: where each keeps its layers --------------------------------------------------------
+def _bert_layer(layer) -> EncoderLayerSpec:
+    s, o = layer.attention.self, layer.attention.output
+    return EncoderLayerSpec(
+        heads=s.num_attention_heads, qkv=(_lin(s.query), _lin(s.key), _lin(s.value)), out=_lin(o.dense),
+        norm1=_ln(o.LayerNorm), ff1=_lin(layer.intermediate.dense),
+        activation=_activation(layer.intermediate.intermediate_act_fn), ff2=_lin(layer.output.dense),
+        norm2=_ln(layer.output.LayerNorm), scale=s.scaling,
+    )  # fmt: skip
+
+
+def _bert_layers(base):
+    return [_bert_layer(layer) for layer in base.encoder.layer]
+
+
+def _albert_layers(base):
+    """ALBERT shares its layers: layer i runs group int(i / (layers / groups)), each group's inner layers."""
+    config, groups = base.config, base.encoder.albert_layer_groups
+    specs = []
+    for i in range(config.num_hidden_layers):
+        group = groups[int(i / (config.num_hidden_layers / config.num_hidden_groups))]
+        for layer in group.albert_layers:
+            a = layer.attention
+            specs.append(EncoderLayerSpec(
+                heads=a.num_attention_heads, qkv=(_lin(a.query), _lin(a.key), _lin(a.value)), out=_lin(a.dense),
+                norm1=_ln(a.LayerNorm), ff1=_lin(layer.ffn), activation=_activation(layer.activation),
+                ff2=_lin(layer.ffn_output), norm2=_ln(layer.full_layer_layer_norm), scale=a.scaling,
+            ))  # fmt: skip
+    return specs
+
+
+def _distilbert_layers(base):
+    specs = []
+    for layer in base.transformer.layer:
+        a = layer.attention
+        specs.append(EncoderLayerSpec(
+            heads=a.n_heads, qkv=(_lin(a.q_lin), _lin(a.k_lin), _lin(a.v_lin)), out=_lin(a.out_lin),
+            norm1=_ln(layer.sa_layer_norm), ff1=_lin(layer.ffn.lin1), activation=_activation(layer.ffn.activation),
+            ff2=_lin(layer.ffn.lin2), norm2=_ln(layer.output_layer_norm), scale=a.scaling,
+        ))  # fmt: skip
+    return specs
+
+
+def _bert_embed(base, kw):
+    x = base.embeddings(input_ids=kw.get("input_ids"), token_type_ids=kw.get("token_type_ids"),
+                        position_ids=kw.get("position_ids"), inputs_embeds=kw.get("inputs_embeds"))  # fmt: skip
+    project = getattr(base, "embeddings_project", None)  # ELECTRA's embedding size -> hidden size
+    return project(x) if project is not None else x
+
+
+def _distilbert_embed(base, kw):
+    return base.embeddings(kw.get("input_ids"), kw.get("inputs_embeds"), kw.get("position_ids"))
+
+
+def _modernbert_embed(base, kw):
+    return base.embeddings(input_ids=kw.get("input_ids"), inputs_embeds=kw.get("inputs_embeds"))
+
+
+def _bert_pool(base, y):
+    return base.pooler(y) if base.pooler is not None else None
+
+
+def _albert_pool(base, y):
+    return base.pooler_activation(base.pooler(y[:, 0])) if base.pooler is not None else None
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family keeps what the ragged arm needs."""
+
+    embed: object  # (base, call kwargs) -> (B, L, D) embeddings on the padded input
+    layers: object | None  # base -> [EncoderLayerSpec] (fused), or None: the model's own layer modules
+    layer_list: object  # base -> the nn.ModuleList of its layers (structure checks)
+    output: type  # the ModelOutput class the base model returns
+    pool: object = None  # (base, padded last hidden state) -> pooler_output, or None
+    first: object = None  # base -> a linear applied before the first layer (ALBERT's embedding mapping)
+    unsupported: str | None = None  # why the ragged arm never runs this family
+
+
+_BERT = Family(_bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPoolingAndCrossAttentions,
+               _bert_pool)  # fmt: skip
+_NO_INTERFACE = "its attention adds a relative-position bias outside transformers' attention interface"
+FAMILIES: dict[str, Family] = {
+    "bert": _BERT,
+    "roberta": _BERT,
+    "xlm-roberta": _BERT,
+    "camembert": _BERT,
+    "electra": Family(_bert_embed, _bert_layers, lambda b: b.encoder.layer,
+                      outputs.BaseModelOutputWithPastAndCrossAttentions),  # fmt: skip
+    "albert": Family(_bert_embed, _albert_layers, lambda b: b.encoder.albert_layer_groups,
+                     outputs.BaseModelOutputWithPooling, _albert_pool,
+                     first=lambda b: b.encoder.embedding_hidden_mapping_in),  # fmt: skip
+    "distilbert": Family(_distilbert_embed, _distilbert_layers, lambda b: b.transformer.layer, outputs.BaseModelOutput),
+    "modernbert": Family(_modernbert_embed, None, lambda b: b.layers, outputs.BaseModelOutput),
+    "mpnet": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPooling, unsupported=_NO_INTERFACE),
+    "deberta": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutput, unsupported=_NO_INTERFACE),
+    "deberta-v2": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutput, unsupported=_NO_INTERFACE),
+}
+
+
+def _positions(layout, rows: int, device) -> torch.Tensor:
+    """(1, rows) int64: each packed row's position within its sequence (rows past the batch: anything)."""
+    offsets = layout.device_meta(device)[0].to(torch.int64)
+    row = torch.arange(rows, device=device)
+    comp = torch.searchsorted(offsets[1:].contiguous(), row, right=True).clamp_(max=offsets.shape[0] - 2)
+    return (row - offsets[comp])[None]
+
+
+class HFEncoderBody(Body):
+    batch_first = True
+
+    def __init__(self, module: PreTrainedModel):
+        super().__init__(module)
+        config = module.config
+        self.module, self.config = module, config
+        self.family = family = FAMILIES[config.model_type]
+        self.forward_of = functools.partial(type(module).forward.__get__)
+        self._list = family.layer_list(module)
+        self._list_dict, self._count = self._list._modules, len(self._list)
+        self._specs = EpochCache(self._make_specs)
+        self.pools_first_token = family.pool is not None and getattr(module, "pooler", None) is not None
+        self.static_reason = self._static_reason(module)
+        self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
+        self.mask_graph = family.layers is not None
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", 1)
+        d_model = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
+        self.d_model, self.head_dim = d_model, d_model // max(heads, 1)
+        ff = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", 0)
+        specs = self._specs.get() if family.layers is not None and not family.unsupported else []
+        act = _act_name(specs[0].activation) if specs else str(getattr(config, "hidden_activation", "unknown"))
+        self.sig = ModuleSignature(
+            kind=f"hf-{config.model_type}", layers=len(specs) or getattr(config, "num_hidden_layers", 0),
+            d_model=d_model, heads=heads, ff=ff, activation=act, norm_first=family.layers is None,
+            dtype=str(self.probe().dtype).replace("torch.", ""), final_norm=family.layers is None,
+        )  # fmt: skip
+        self.memo = (d_model, ff, self.sig.layers)
+
+    def _make_specs(self):
+        return self.family.layers(self.module) if self.family.layers is not None else None
+
+    def _static_reason(self, module) -> str | None:
+        family, config = self.family, module.config
+        if family.unsupported:
+            return f"{config.model_type}: {family.unsupported}"
+        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+            return "configured as a decoder (causal, cross-attention)"
+        dtype = self.probe().dtype
+        if dtype not in _DTYPES:
+            return f"parameters of dtype {dtype} (supported: float16, bfloat16, float32)"
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", 1)
+        head_dim = (getattr(config, "hidden_size", None) or getattr(config, "dim", 0)) // heads
+        if head_dim not in HEAD_DIMS:
+            return f"head dim {head_dim} (the ragged attention kernel supports {HEAD_DIMS})"
+        if config.model_type == "modernbert" and "sliding_attention" in config.layer_types:
+            from ..kernels import ragged_attention as k_attn
+
+            if "window" not in k_attn.ragged_attention.__kwdefaults__:
+                return "local (sliding-window) attention layers: the ragged attention kernel has no windows"
+        return None
+
+    def probe(self) -> torch.Tensor:
+        return next(self.module.parameters())
+
+    def hooked(self) -> bool:
+        return _hf.hidden_hooked(self._hook_dicts)
+
+    def layers_moved(self, module) -> bool:
+        return self._list._modules is not self._list_dict or len(self._list) != self._count
+
+    def restructured(self, module) -> bool:
+        if super().restructured(module):
+            return True
+        self._list_dict, self._count = self._list._modules, len(self._list)
+        return False
+
+    def embed(self, module, kwargs) -> torch.Tensor:
+        return self.family.embed(module, kwargs)
+
+    def values(self, x, layout, config, causal, hidden=None):
+        family = self.family
+        if family.first is not None:
+            first = family.first(self.module)
+            x = F.linear(x, first.weight, first.bias)
+        if hidden is not None:
+            hidden.append(x)
+        if family.layers is not None:
+            return encoder_values(self._specs.get(), None, x, layout, config, causal, hidden)
+        return self._module_values(x, layout, config, hidden)
+
+    def _module_values(self, x, layout, config, hidden):
+        """ModernBERT's own layer modules on (1, rows, D), our varlen kernel as their attention."""
+        base = self.module
+        h = x[None]
+        positions = _positions(layout, x.shape[0], x.device)
+        with _hf.ragged_attention_of(base.config, layout, config):
+            rotary = {t: base.rotary_emb(h, positions, t) for t in set(base.config.layer_types)}
+            for layer in base.layers:
+                h = layer(h, attention_mask=None, position_embeddings=rotary[layer.attention_type])
+                if hidden is not None:
+                    hidden.append(h[0])
+        return base.final_norm(h)[0]
+
+    def output(self, module, call, y, hidden):
+        family = self.family
+        fields = {"last_hidden_state": y}
+        if family.pool is not None:
+            fields["pooler_output"] = family.pool(module, y)
+        if hidden is not None:
+            fields["hidden_states"] = (*hidden[:-1], y)
+        out = family.output(**fields)
+        return out if call.return_dict else out.to_tuple()
+
+
+class HFEncoderCall(_hf.HFCall):
+    __slots__ = ("any_padding", "padding_note")
+
+    def __init__(self, body: HFEncoderBody, module, kwargs, lengths):
+        super().__init__(body, module, kwargs, lengths)
+        self.any_padding = not body.pools_first_token
+        self.padding_note = " (the model's pooler reads column 0, then a pad)" if body.pools_first_token else ""
+
+
+class HFEncoderAdapter:
+    name = "hf_encoder"
+
+    def targets(self, model: nn.Module) -> list[nn.Module]:
+        """Base models (a model that is its own `base_model`) of the families above, in module order."""
+        return [m for m in model.modules() if _is_base(m) and m.config.model_type in FAMILIES]
+
+    def skipped(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """HF base models of other families, with why (`wrap` names those no adapter takes)."""
+        return [
+            (m, f"{type(m).__name__} (model_type {m.config.model_type!r}) is not a family autoragged runs")
+            for m in model.modules()
+            if _is_base(m) and m.config.model_type not in FAMILIES
+        ]
+
+    def bind(self, module) -> HFEncoderBody:
+        return HFEncoderBody(module)
+
+    def install(self, module) -> None:
+        _hf.install(module, HFEncoderCall)
+
+    def uninstall(self, module) -> None:
+        _hf.uninstall(module)
+
+
+def _is_base(m) -> bool:
+    return isinstance(m, PreTrainedModel) and m.base_model is m
+
+
+ADAPTER = HFEncoderAdapter()

@@ -1,0 +1,321 @@
+"""HuggingFace encoders through `autoragged.wrap()`: the wrapped model computes the original's function on
+real tokens, for every family, padding side and forced policy, with no leakage between sequences.
+
+Tiny random models built from config objects (no hub). On CPU the ragged arm runs our Triton kernels in
+the interpreter ("triton") or the PyTorch references ("reference"); both are checked, the interpreter on
+fewer cases (it is slow)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import autoragged  # noqa: E402
+from autoragged import _ragged, ops  # noqa: E402
+
+from _tolerance import assert_within_torch_error  # noqa: E402
+
+COMMON = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+              pad_token_id=1)  # fmt: skip
+CONFIGS = {
+    "bert": lambda: transformers.BertConfig(**COMMON),
+    "roberta": lambda: transformers.RobertaConfig(**COMMON, max_position_embeddings=40),
+    "xlm-roberta": lambda: transformers.XLMRobertaConfig(**COMMON, max_position_embeddings=40),
+    "camembert": lambda: transformers.CamembertConfig(**COMMON, max_position_embeddings=40),
+    "electra": lambda: transformers.ElectraConfig(**COMMON, embedding_size=32),
+    "albert": lambda: transformers.AlbertConfig(**COMMON, embedding_size=32, num_hidden_groups=1, inner_group_num=2,
+                                                hidden_act="gelu_new"),  # fmt: skip
+    "distilbert": lambda: transformers.DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=2, hidden_dim=128,
+                                                        pad_token_id=1),  # fmt: skip
+    "modernbert": lambda: transformers.ModernBertConfig(**COMMON, global_attn_every_n_layers=1, local_attention=16,
+                                                        bos_token_id=2, eos_token_id=3, cls_token_id=2,
+                                                        sep_token_id=3),  # fmt: skip
+}
+POOLED = {"bert", "roberta", "xlm-roberta", "camembert", "albert"}  # their pooler reads column 0
+LENGTHS = (12, 7, 1, 9)
+
+
+def model_of(family: str, cls=None, **extra):
+    config = CONFIGS[family]()
+    for k, v in extra.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    return (cls or transformers.AutoModel).from_config(config).eval()
+
+
+def batch(lengths=LENGTHS, side="right", L=None, seed=0, token_types=False):
+    """(kwargs of one HF call, keep mask (B, L) bool) with real tokens on `side`."""
+    g = torch.Generator().manual_seed(seed)
+    L = L or max(lengths)
+    lens = torch.tensor(lengths)
+    cols = torch.arange(L)[None]
+    keep = cols < lens[:, None] if side == "right" else cols >= L - lens[:, None]
+    ids = torch.randint(4, 100, (len(lengths), L), generator=g).masked_fill(~keep, 1)
+    kwargs = {"input_ids": ids, "attention_mask": keep.long()}
+    if token_types:
+        kwargs["token_type_ids"] = (cols >= lens[:, None] // 2).long() * keep
+    return kwargs, keep
+
+
+def use_reference(monkeypatch):
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+
+
+def last(model) -> autoragged.Decision:
+    return autoragged.recent_decisions(model, 1)[-1]
+
+
+def check_close(family, ours, model, kwargs, keep, field="last_hidden_state"):
+    """ours vs the original model in float32, both against the original in float64, on real tokens."""
+    plain = _unwrapped(model)
+    with torch.no_grad():
+        want = plain(**kwargs)
+        want64 = copy.deepcopy(plain).double()(**kwargs)
+    a, b, c = getattr(ours, field), getattr(want, field), getattr(want64, field)
+    if a.dim() == 3:
+        a, b, c = a[keep], b[keep], c[keep]
+    assert_within_torch_error(a, b, c, f"{family} {field}")
+
+
+def _unwrapped(model):
+    twin = copy.deepcopy(model)
+    autoragged.unwrap(twin)
+    return twin
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_every_family_computes_the_original_on_real_tokens(family, side, monkeypatch):
+    use_reference(monkeypatch)
+    model = model_of(family)
+    kwargs, keep = batch(side=side, token_types=family not in ("distilbert", "modernbert"))
+    if family == "modernbert":
+        kwargs.pop("token_type_ids", None)
+    autoragged.wrap(model, db=False, policy="ragged")
+    with torch.no_grad():
+        out = model(**kwargs)
+    pooled_left = side == "left" and family in POOLED
+    assert last(model).arm == ("padded" if pooled_left else "ragged"), last(model).reason
+    if pooled_left:
+        assert "pooler reads column 0" in last(model).reason
+    check_close(family, out, model, kwargs, keep)
+    if family in POOLED and not pooled_left:
+        check_close(family, out, model, kwargs, keep, "pooler_output")
+    assert (out.last_hidden_state[~keep] == 0).all() or pooled_left
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert"])
+def test_the_triton_kernels_in_the_interpreter(family):
+    model = model_of(family)
+    kwargs, keep = batch(lengths=(9, 3, 5), side="right" if family != "distilbert" else "left")
+    autoragged.wrap(model, db=False, policy="ragged")
+    with torch.no_grad():
+        out = model(**kwargs)
+    assert last(model).arm == "ragged"
+    check_close(family, out, model, kwargs, keep)
+
+
+@pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
+def test_every_policy_gives_the_original(policy, monkeypatch):
+    use_reference(monkeypatch)
+    model = model_of("bert")
+    kwargs, keep = batch(token_types=True)
+    autoragged.wrap(model, db=False, policy=policy)
+    with torch.no_grad():
+        for _ in range(3):
+            out = model(**kwargs)
+    check_close("bert", out, model, kwargs, keep)
+    check_close("bert", out, model, kwargs, keep, "pooler_output")
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
+def test_changing_one_sequence_leaves_the_others_bit_identical(family, monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of(family), db=False, policy="ragged")
+    kwargs, keep = batch()
+    other = {k: v.clone() for k, v in kwargs.items()}
+    other["input_ids"][1, : LENGTHS[1]] = torch.randint(4, 100, (LENGTHS[1],))
+    with torch.no_grad():
+        a, b = model(**kwargs).last_hidden_state, model(**other).last_hidden_state
+    assert (a[1] != b[1]).any()
+    for i in (0, 2, 3):
+        assert torch.equal(a[i], b[i]), f"sequence {i} changed when only sequence 1 did"
+
+
+@pytest.mark.parametrize(
+    ("cls", "field"),
+    [
+        ("BertForSequenceClassification", "logits"),
+        ("BertForTokenClassification", "logits"),
+        ("BertForMaskedLM", "logits"),
+        ("BertForQuestionAnswering", "start_logits"),
+        ("RobertaForSequenceClassification", "logits"),
+        ("DistilBertForSequenceClassification", "logits"),
+        ("ElectraForSequenceClassification", "logits"),
+    ],
+)
+def test_task_models_keep_their_heads_on_the_repadded_output(cls, field, monkeypatch):
+    use_reference(monkeypatch)
+    family = {"Bert": "bert", "Roberta": "roberta", "DistilBert": "distilbert", "Electra": "electra"}[cls.split("For")[0]]
+    model = model_of(family, getattr(transformers, cls), num_labels=2)
+    kwargs, keep = batch()
+    autoragged.wrap(model, db=False, policy="ragged")
+    with torch.no_grad():
+        out = model(**kwargs)
+    assert last(model).arm == "ragged"
+    check_close(family, out, model, kwargs, keep, field)
+
+
+def test_hidden_states_and_tuples(monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("albert"), db=False, policy="ragged")
+    kwargs, keep = batch()
+    plain = _unwrapped(model)
+    with torch.no_grad():
+        out = model(**kwargs, output_hidden_states=True)
+        want = plain(**kwargs, output_hidden_states=True)
+        as_tuple = model(**kwargs, return_dict=False)
+        want_tuple = plain(**kwargs, return_dict=False)
+    assert len(out.hidden_states) == len(want.hidden_states) == 3
+    for ours, theirs in zip(out.hidden_states, want.hidden_states):
+        torch.testing.assert_close(ours[keep], theirs[keep], rtol=1e-4, atol=1e-5)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(want_tuple) == 2
+    torch.testing.assert_close(as_tuple[1], want_tuple[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        (lambda m, kw: m(**kw, output_attentions=True), "output_attentions"),
+        (lambda m, kw: m(**kw, encoder_hidden_states=torch.zeros(4, 3, 64)), "argument encoder_hidden_states"),
+        (lambda m, kw: m(**kw, cu_seq_lens_q=torch.tensor([0, 3])), "argument cu_seq_lens_q"),
+        (lambda m, kw: m(**{**kw, "attention_mask": kw["attention_mask"][:, None, None, :]}), "not a (B, L) padding"),
+    ],
+)
+def test_unsupported_arguments_run_padded_with_their_reason(call, reason, monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False, policy="ragged")
+    kwargs, _ = batch()
+    with torch.no_grad():
+        try:
+            call(model, kwargs)
+        except Exception:  # noqa: BLE001 - the original model may refuse the argument itself
+            pass
+    assert last(model).arm == "padded" and reason in last(model).reason
+
+
+def test_families_without_the_interface_and_small_heads_always_run_padded(caplog, monkeypatch):
+    use_reference(monkeypatch)
+    mpnet = transformers.MPNetModel(transformers.MPNetConfig(**COMMON)).eval()
+    tiny = model_of("bert", num_attention_heads=8)  # head dim 8
+    kwargs, keep = batch()
+    with caplog.at_level(logging.WARNING, logger="autoragged"):
+        for m in (mpnet, tiny):
+            autoragged.wrap(m, db=False, policy="ragged")
+    assert "relative-position bias" in caplog.text and "head dim 8" in caplog.text
+    with torch.no_grad():
+        mpnet(**kwargs)
+        out = tiny(**kwargs)
+    assert last(mpnet).arm == "padded" and "mpnet" in last(mpnet).reason
+    assert last(tiny).arm == "padded" and "head dim 8" in last(tiny).reason
+    check_close("bert", out, tiny, kwargs, keep)
+
+
+def test_lengths_keyword_and_no_mask(monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False, policy="ragged")
+    kwargs, keep = batch()
+    with torch.no_grad():
+        out = model(input_ids=kwargs["input_ids"], attention_mask=kwargs["attention_mask"], lengths=list(LENGTHS))
+        assert last(model).stats.total == sum(LENGTHS)
+        check_close("bert", out, model, kwargs, keep)
+        full = model(input_ids=kwargs["input_ids"])  # no mask: every token is real
+        assert last(model).stats.total == kwargs["input_ids"].numel()
+        check_close("bert", full, model, {"input_ids": kwargs["input_ids"]}, torch.ones_like(keep))
+        left, _ = batch(side="left")
+        with pytest.raises(ValueError, match="not right-padded"):
+            model(**left, lengths=list(LENGTHS))
+
+
+def test_unwrap_restores_and_config_is_untouched(monkeypatch):
+    use_reference(monkeypatch)
+    model = model_of("modernbert")
+    before = model.config._attn_implementation
+    plain = copy.deepcopy(model)
+    autoragged.wrap(model, db=False, policy="ragged")
+    kwargs, keep = batch()
+    with torch.no_grad():
+        model(**kwargs)
+        assert model.config._attn_implementation == before  # switched only inside the ragged arm
+        autoragged.unwrap(model)
+        assert "forward" not in model.__dict__ and not hasattr(model, "_autoragged")
+        torch.testing.assert_close(model(**kwargs).last_hidden_state, plain(**kwargs).last_hidden_state)
+    model.set_attn_implementation("eager")  # still settable
+    assert model.config._attn_implementation == "eager"
+
+
+def test_the_signature_stays_the_models_own():
+    import inspect
+
+    model = autoragged.wrap(model_of("bert"), db=False)
+    params = inspect.signature(model.forward).parameters
+    assert list(params)[:5] == ["input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds"]
+    assert "lengths" in params
+    kwargs, keep = batch()
+    with torch.no_grad():  # positional arguments bind to the model's own names
+        out = model(kwargs["input_ids"], kwargs["attention_mask"])
+    check_close("bert", out, model, kwargs, keep)
+
+
+def _sentence_model(tmp_path, cls_name):
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(95)]
+    (tmp_path / "vocab.txt").write_text("\n".join(words))
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    config = transformers.BertConfig(**{**COMMON, "pad_token_id": 0}, num_labels=1)
+    torch.manual_seed(0)
+    if cls_name == "SentenceTransformer":
+        transformers.BertModel(config).save_pretrained(tmp_path)
+    else:
+        transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return (SentenceTransformer if cls_name == "SentenceTransformer" else CrossEncoder)(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("cls_name", ["SentenceTransformer", "CrossEncoder"])
+def test_sentence_transformers_encode_and_predict_are_unchanged(cls_name, tmp_path, monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    use_reference(monkeypatch)
+    model = _sentence_model(tmp_path, cls_name)
+    sentences = [" ".join(f"w{(i * 7 + j) % 95}" for j in range(n)) for i, n in enumerate([3, 17, 8, 30, 1, 12])]
+    if cls_name == "SentenceTransformer":
+        run = lambda: model.encode(sentences, convert_to_tensor=True, batch_size=4)  # noqa: E731
+    else:
+        run = lambda: model.predict(list(zip(sentences, sentences[1:])), convert_to_tensor=True,  # noqa: E731
+                                    activation_fn=torch.nn.Identity())  # fmt: skip
+    want = run()
+    autoragged.wrap(model, db=False, policy="ragged")
+    got = run()
+    arms = {d.arm for d in autoragged.recent_decisions(model)}
+    assert arms == {"ragged"}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_deepcopy_of_a_wrapped_model_runs_its_own_weights(monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False, policy="ragged")
+    twin = copy.deepcopy(model)
+    kwargs, keep = batch()
+    with torch.no_grad():
+        twin.encoder.layer[0].output.dense.bias.add_(1.0)
+        a, b = model(**kwargs).last_hidden_state, twin(**kwargs).last_hidden_state
+    assert last(twin).arm == "ragged" and (a[keep] - b[keep]).abs().max() > 1e-2
+    check_close("bert", twin(**kwargs), twin, kwargs, keep)
