@@ -34,6 +34,8 @@ def ragged_attention(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> torch.Tensor:
     config = KernelConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return k_attn.ragged_attention(
@@ -48,6 +50,7 @@ def ragged_attention(
         scale=scale,
         config=config,
         wrap=wrap_triton,
+        window=(window_left, window_right),
     )
 
 
@@ -108,8 +111,11 @@ def add_layer_norm(
 
 # -- fake implementations: output shapes only, for FakeTensor tracing (torch.compile, export) -------
 @ragged_attention.register_fake
-def _(q, k, v, offsets, lengths, grid_mapping, block_offsets, causal, scale, block_m, block_n, num_warps, num_stages):
-    return q.new_empty(q.shape)
+def _(
+    q, k, v, offsets, lengths, grid_mapping, block_offsets, causal, scale, block_m, block_n, num_warps, num_stages,
+    window_left=-1, window_right=-1,
+):  # fmt: skip
+    return q.new_empty(q.shape)  # q's heads: GQA's k and v may have fewer
 
 
 @ragged_linear.register_fake

@@ -53,12 +53,17 @@ def attention_values(
     causal: bool = False,
     scale: float | None = None,
     config: KernelConfig | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
-    """q, k, v: (rows, H, Dh) values of `layout`; returns (rows, H, Dh), gap rows unspecified."""
+    """q (rows, H, Dh), k and v (rows, Hkv, Dh) values of `layout`, Hkv dividing H; returns (rows, H, Dh),
+    gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`."""
     k_attn.check_inputs(q, k, v)
+    left, right = k_attn.check_window(window)
     if not use_triton(q):
-        return k_attn.ragged_attention_ref(q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale)
-    config = config or k_attn.default_config(q.shape[-1], layout.max_len)
+        return k_attn.ragged_attention_ref(
+            q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale, window=(left, right)
+        )
+    config = config or k_attn.default_config(q.shape[-1], layout.max_len, q.element_size())
     if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
         config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
@@ -67,11 +72,12 @@ def attention_values(
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return torch.ops.autoragged.ragged_attention(
             q, k, v, offsets, lengths, grid_mapping, block_offsets, bool(causal), scale,
-            config.block_m, config.block_n, config.num_warps, config.num_stages,
+            config.block_m, config.block_n, config.num_warps, config.num_stages, left, right,
         )  # fmt: skip
     return k_attn.ragged_attention(
-        q, k, v, offsets, lengths, grid_mapping, block_offsets, causal=causal, scale=scale, config=config
-    )
+        q, k, v, offsets, lengths, grid_mapping, block_offsets, causal=causal, scale=scale, config=config,
+        window=(left, right),
+    )  # fmt: skip
 
 
 def linear_values(
@@ -178,18 +184,24 @@ def ragged_attention(
     causal: bool = False,
     scale: float | None = None,
     config: KernelConfig | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> RaggedTensor:
-    """Flash-attention forward within each component: q, k, v have values (T, H, Dh) and one layout.
+    """Flash-attention forward within each component: q has values (T, H, Dh), k and v (T, Hkv, Dh) with
+    Hkv dividing H (grouped-query attention), all of one layout.
 
-    fp16 / bf16 / fp32; head dims 32, 64, 80, 96, 128; `scale` defaults to 1/sqrt(Dh); `causal` masks
-    keys after each query. No device->host sync: the grid comes from the host lengths.
+    fp16 / bf16 / fp32; head dims 32, 64, 80, 96, 128, 256; `scale` defaults to 1/sqrt(Dh); `causal` masks
+    keys after each query; `window` (left, right) keeps keys i - left <= j <= i + right of query i (-1:
+    unbounded; `kernels.ragged_attention.window_from_hf` converts a transformers `sliding_window`).
+    No device->host sync: the grid comes from the host lengths.
     """
     if not isinstance(q, RaggedTensor):
         raise TypeError(f"ragged_attention: q is a {type(q).__name__}, not a RaggedTensor")
     _same_layout("ragged_attention", q, k, v)
     if q.values.dim() != 3:
         raise ValueError(f"ragged_attention: values must be (T, H, Dh), got {tuple(q.values.shape)}")
-    out = attention_values(q.values, k.values, v.values, q.layout, causal=causal, scale=scale, config=config)
+    out = attention_values(
+        q.values, k.values, v.values, q.layout, causal=causal, scale=scale, config=config, window=window
+    )
     return q.with_values(_zero_gaps(out, q.layout))
 
 

@@ -1,12 +1,17 @@
 """Kernel benchmark: ragged attention vs varlen_attn and padded SDPA; ragged_linear vs cuBLAS.
 
-    python benchmarks/kernels.py            # full: 24 CoRa rows, config sweep, linear shapes
-    python benchmarks/kernels.py --quick    # 6 rows, 4 configs
+    python benchmarks/kernels.py                   # full: 24 CoRa rows, variant rows, config sweep, linear
+    python benchmarks/kernels.py --quick           # 6 CoRa rows, 5 variant rows, 4 configs
+    python benchmarks/kernels.py --only variants   # the GQA and sliding-window rows alone
 
 Attention: CoRa length distributions (PyCoRa Beta recipe, seed 0) at batch 32/64/128, 8 heads x 64,
 fp16, forward. FLOPs counted on real tokens only (4 * sum(L_i^2) * H * Dh) for every column, so
-TFLOP/s compare useful work. Linear: [T, K] x [K, N] + bias for the encoder's four shapes.
-Prints a table and writes benchmarks/results/kernels.json.
+TFLOP/s compare useful work. Variants: decoder-style causal GQA (Qwen2.5-7B's 28 query / 4 kv heads x 128,
+Qwen2.5-0.5B's 14 / 2 x 64) and ModernBERT-base's local layers (12 heads x 64, window (64, 64)) on
+sequences of max_len / 2 .. max_len tokens (~16k tokens a batch), bf16, against varlen_attn and aten's
+_flash_attention_forward with the same window and kv heads; FLOPs count the (query, key) pairs the mask
+keeps. Linear: [T, K] x [K, N] + bias for the encoder's four shapes.
+Prints tables and writes benchmarks/results/kernels.json.
 """
 
 from __future__ import annotations
@@ -39,16 +44,33 @@ from benchmarks._common import (  # noqa: E402
 HEADS, HEAD_DIM = 8, 64
 
 
-def attention_configs(max_len: int, quick: bool) -> list[KernelConfig]:
+def attention_configs(max_len: int, quick: bool, head_dim: int = HEAD_DIM, **prune_args) -> list[KernelConfig]:
     candidates = [
         KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
         for bm, bn, w, s in [
             (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
             (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 2, 2), (16, 16, 2, 1), (128, 32, 8, 3), (64, 128, 4, 2),
+            (64, 32, 8, 2),
         ]
     ]  # fmt: skip
-    kept = [c for c in candidates if k_attn.prune(c, head_dim=HEAD_DIM, max_len=max_len)]
+    kept = [c for c in candidates if k_attn.prune(c, head_dim=head_dim, max_len=max_len, **prune_args)]
     return kept[:4] if quick else kept
+
+
+def time_ours(q, k, v, rt: RaggedTensor, configs: list[KernelConfig], default: KernelConfig, **kwargs) -> dict:
+    """Median ms of our kernel per config (the default included), and the default's and the best's."""
+    offsets, dev_lengths = rt.layout.device_meta(q.device)
+    results = {}
+    for config in [*configs, default]:
+        if config.short() in results:
+            continue
+        gm, bo = rt.prelude(config.block_m)
+        fn = lambda c=config, gm=gm, bo=bo: k_attn.ragged_attention(
+            q, k, v, offsets, dev_lengths, gm, bo, config=c, **kwargs
+        )
+        results[config.short()] = bench_ms(fn)["median_ms"]
+    best = min(results, key=results.get)
+    return {"ours_default_ms": results[default.short()], "ours_best_ms": results[best], "ours_best_config": best}
 
 
 def bench_attention(dataset: str, batch: int, quick: bool) -> dict:
@@ -58,23 +80,10 @@ def bench_attention(dataset: str, batch: int, quick: bool) -> dict:
     dev = torch.device("cuda")
     q, k, v = (torch.randn(T, HEADS, HEAD_DIM, device=dev, dtype=torch.float16) for _ in range(3))
     rt = RaggedTensor.from_values_offsets(q, torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=dev))
-    offsets, dev_lengths = rt.layout.device_meta(dev)
     flops = 4 * sum(n * n for n in lengths) * HEADS * HEAD_DIM
     row = {"dataset": dataset, "batch": batch, "tokens": T, "max_len": L, "gflop": flops / 1e9}
 
-    results = {}
-    for config in attention_configs(L, quick):
-        gm, bo = rt.prelude(config.block_m)
-        fn = lambda c=config, gm=gm, bo=bo: k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=c)
-        results[config.short()] = bench_ms(fn)["median_ms"]
-    default = k_attn.default_config(HEAD_DIM, L)
-    if default.short() not in results:
-        gm, bo = rt.prelude(default.block_m)
-        results[default.short()] = bench_ms(
-            lambda: k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=default)
-        )["median_ms"]
-    best = min(results, key=results.get)
-    row.update(ours_default_ms=results[default.short()], ours_best_ms=results[best], ours_best_config=best)
+    row.update(time_ours(q, k, v, rt, attention_configs(L, quick), k_attn.default_config(HEAD_DIM, L)))
 
     from torch.nn.attention.varlen import varlen_attn
 
@@ -89,6 +98,93 @@ def bench_attention(dataset: str, batch: int, quick: bool) -> dict:
     for key in ("ours_best", "ours_default", "varlen", "sdpa_padded"):
         row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
     row["best_vs_varlen"] = row["varlen_ms"] / row["ours_best_ms"]
+    return row
+
+
+# (name, query heads, kv heads, head dim, causal, window, max lengths)
+VARIANTS = [
+    ("qwen2.5-7b", 28, 4, 128, True, (-1, -1), (512, 2048, 8192)),
+    ("qwen2.5-0.5b", 14, 2, 64, True, (-1, -1), (512, 2048, 8192)),
+    ("modernbert-local", 12, 12, 64, False, (64, 64), (512, 1024, 8192)),
+]
+VARIANT_TOKENS = 16384
+
+
+def variant_lengths(max_len: int, rng: np.random.Generator) -> list[int]:
+    """Sequences of max_len / 2 .. max_len tokens, about VARIANT_TOKENS in all (at least one)."""
+    count = max(1, round(VARIANT_TOKENS / (0.75 * max_len)))
+    return [int(n) for n in rng.integers(max_len // 2, max_len + 1, size=count)]
+
+
+def kept_pairs(n: int, window: tuple[int, int], causal: bool) -> int:
+    """(query, key) pairs of an n-token sequence that the window and causal rule keep."""
+    left, right = window[0], 0 if causal else window[1]
+    i = np.arange(n)
+    hi = np.full(n, n - 1) if right < 0 else np.minimum(n - 1, i + right)
+    lo = np.zeros(n, dtype=np.int64) if left < 0 else np.maximum(0, i - left)
+    return int((hi - lo + 1).sum())
+
+
+def varlen_kwargs(causal: bool, window: tuple[int, int], gqa: bool) -> tuple[dict | None, str | None]:
+    """varlen_attn's arguments for this case on the installed torch, or None and what it lacks: newer
+    versions take window_size ((-1, 0) is causal) and enable_gqa, older ones is_causal only."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = __import__("inspect").signature(varlen_attn).parameters
+    kwargs, missing = {}, []
+    if "window_size" in params and (causal or window != (-1, -1)):
+        kwargs["window_size"] = (window[0], 0) if causal else window
+    elif window != (-1, -1):
+        missing.append("window_size")
+    elif causal:
+        kwargs["is_causal"] = True
+    if gqa:
+        kwargs["enable_gqa"] = True
+        if "enable_gqa" not in params:
+            missing.append("enable_gqa")
+    return (None, f"varlen_attn lacks {', '.join(missing)}") if missing else (kwargs, None)
+
+
+def _peer_ms(fn) -> tuple[float | None, str | None]:
+    """A peer's median ms, or None and why it could not run this case."""
+    try:
+        fn()
+        return bench_ms(fn)["median_ms"], None
+    except Exception as error:  # noqa: BLE001 - a peer that lacks a feature is a row with a dash
+        return None, f"{type(error).__name__}: {str(error)[:120]}"
+
+
+def bench_variant(name, heads, kv_heads, head_dim, causal, window, max_len, quick) -> dict:
+    from torch.nn.attention.varlen import varlen_attn
+
+    lengths = variant_lengths(max_len, np.random.default_rng(0))
+    T, L = sum(lengths), max(lengths)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    q = torch.randn(T, heads, head_dim, device=dev, dtype=dtype)
+    k, v = (torch.randn(T, kv_heads, head_dim, device=dev, dtype=dtype) for _ in "kv")
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=dev)
+    rt = RaggedTensor.from_values_offsets(q, cu)
+    flops = 4 * sum(kept_pairs(n, window, causal) for n in lengths) * heads * head_dim
+    row = {"case": name, "heads": f"{heads}/{kv_heads}", "head_dim": head_dim, "causal": causal,
+           "window": str(window), "batch": len(lengths), "tokens": T, "max_len": L, "gflop": flops / 1e9}  # fmt: skip
+    configs = attention_configs(L, quick, head_dim, causal=causal, window=window)
+    default = k_attn.default_config(head_dim, L)
+    row.update(time_ours(q, k, v, rt, configs, default, causal=causal, window=window))
+
+    kwargs, row["varlen_error"] = varlen_kwargs(causal, window, kv_heads != heads)
+    row["varlen_ms"] = None
+    if kwargs is not None:
+        row["varlen_ms"], row["varlen_error"] = _peer_ms(lambda: varlen_attn(q, k, v, cu, cu, L, L, **kwargs))
+    wl, wr = (None if w < 0 else w for w in window)  # aten's flash: None is unbounded; GQA is native to it
+    flash = torch.ops.aten._flash_attention_forward
+    row["flash_ms"], row["flash_error"] = _peer_ms(
+        lambda: flash(q, k, v, cu, cu, L, L, 0.0, causal, False, window_size_left=wl, window_size_right=wr)
+    )
+    for key in ("ours_best", "ours_default", "varlen", "flash"):
+        ms = row[f"{key}_ms"]
+        row[f"{key}_tflops"] = None if ms is None else flops / ms / 1e9
+    peers = [row[p] for p in ("varlen_ms", "flash_ms") if row[p] is not None]
+    row["best_vs_peer"] = min(peers) / row["ours_best_ms"] if peers else None
     return row
 
 
@@ -128,9 +224,13 @@ def bench_linear(tokens: int, name: str, n: int, k: int, quick: bool) -> dict:
     }  # fmt: skip
 
 
+SECTIONS = ("attention", "variants", "linear")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 attention rows, fewer configs")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels.json)")
     args = parser.parse_args(argv)
     require_cuda("benchmarks/kernels.py")
@@ -139,42 +239,71 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_tflops()
     print(f"measured fp16 matmul peak (8192^3, random data): {peak:.0f} TFLOP/s", flush=True)
 
-    datasets = ["CoLA", "MNLI", "RACE"] if args.quick else list(CORA)
-    batches = (32, 128) if args.quick else CORA_BATCH_SIZES
-    attn = []
-    for name in datasets:
-        for batch in batches:
-            row = bench_attention(name, batch, args.quick)
-            row["ours_best_share_of_peak"] = row["ours_best_tflops"] / peak
-            attn.append(row)
-            print(f"  {name:8s} B={batch:3d} T={row['tokens']:6d} ours {row['ours_best_ms']:.3f} ms "
-                  f"varlen {row['varlen_ms']:.3f} ms sdpa {row['sdpa_padded_ms']:.3f} ms", flush=True)  # fmt: skip
+    attn, variants, linear = [], [], []
+    if "attention" in args.only:
+        datasets = ["CoLA", "MNLI", "RACE"] if args.quick else list(CORA)
+        batches = (32, 128) if args.quick else CORA_BATCH_SIZES
+        for name in datasets:
+            for batch in batches:
+                row = bench_attention(name, batch, args.quick)
+                row["ours_best_share_of_peak"] = row["ours_best_tflops"] / peak
+                attn.append(row)
+                print(f"  {name:8s} B={batch:3d} T={row['tokens']:6d} ours {row['ours_best_ms']:.3f} ms "
+                      f"varlen {row['varlen_ms']:.3f} ms sdpa {row['sdpa_padded_ms']:.3f} ms", flush=True)  # fmt: skip
+    if "variants" in args.only:
+        for name, heads, kv_heads, head_dim, causal, window, max_lens in VARIANTS:
+            for max_len in max_lens[:2] if args.quick else max_lens:
+                if args.quick and len(variants) >= 5:
+                    break
+                row = bench_variant(name, heads, kv_heads, head_dim, causal, window, max_len, args.quick)
+                variants.append(row)
+                varlen, flash = (row[key] or float("nan") for key in ("varlen_ms", "flash_ms"))
+                print(f"  {name:16s} L<={max_len:5d} T={row['tokens']:6d} ours {row['ours_best_ms']:.3f} ms "
+                      f"varlen {varlen:.3f} ms flash {flash:.3f} ms", flush=True)  # fmt: skip
+    if "linear" in args.only:
+        token_counts = [2048, 8192, 16384, 46592] if args.quick else [512, 2048, 8192, 16384, 32768, 46592]
+        linear = [bench_linear(t, *shape, args.quick) for t in token_counts for shape in LINEAR_SHAPES]
 
-    token_counts = [2048, 8192, 16384, 46592] if args.quick else [512, 2048, 8192, 16384, 32768, 46592]
-    linear = [bench_linear(t, *shape, args.quick) for t in token_counts for shape in LINEAR_SHAPES]
-
-    print("\n## attention, fp16, 8 heads x 64 (ms per call, median; TFLOP/s on real tokens)\n")
-    print(table(attn, [
-        ("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "tokens", "d"), ("max_len", "max", "d"),
-        ("ours_default_ms", "ours default", ".3f"), ("ours_best_ms", "ours best", ".3f"),
-        ("ours_best_config", "best config", ""), ("varlen_ms", "varlen_attn", ".3f"),
-        ("sdpa_padded_ms", "SDPA padded", ".3f"), ("ours_best_tflops", "ours TF/s", ".0f"),
-        ("varlen_tflops", "varlen TF/s", ".0f"), ("best_vs_varlen", "ours/varlen", ".2f"),
-    ]))  # fmt: skip
-    print(f"\n## linear + bias, fp16 (share of the measured {peak:.0f} TFLOP/s peak)\n")
-    print(table(linear, [
-        ("shape", "shape", ""), ("tokens", "T", "d"), ("n", "N", "d"), ("k", "K", "d"),
-        ("cublas_ms", "cuBLAS ms", ".4f"), ("ours_best_ms", "ours ms", ".4f"), ("ours_best_config", "config", ""),
-        ("cublas_tflops", "cuBLAS TF/s", ".0f"), ("ours_best_tflops", "ours TF/s", ".0f"),
-        ("ours_vs_cublas", "ours/cuBLAS", ".2f"),
-    ]))  # fmt: skip
+    if attn:
+        print("\n## attention, fp16, 8 heads x 64 (ms per call, median; TFLOP/s on real tokens)\n")
+        print(table(attn, [
+            ("dataset", "dataset", ""), ("batch", "B", "d"), ("tokens", "tokens", "d"), ("max_len", "max", "d"),
+            ("ours_default_ms", "ours default", ".3f"), ("ours_best_ms", "ours best", ".3f"),
+            ("ours_best_config", "best config", ""), ("varlen_ms", "varlen_attn", ".3f"),
+            ("sdpa_padded_ms", "SDPA padded", ".3f"), ("ours_best_tflops", "ours TF/s", ".0f"),
+            ("varlen_tflops", "varlen TF/s", ".0f"), ("best_vs_varlen", "ours/varlen", ".2f"),
+        ]))  # fmt: skip
+    if variants:
+        print("\n## attention variants, bf16: GQA (q/kv heads), windows (ms per call, median; TFLOP/s on kept pairs)\n")
+        print(table(variants, [
+            ("case", "case", ""), ("heads", "heads", ""), ("head_dim", "Dh", "d"), ("causal", "causal", ""),
+            ("window", "window", ""), ("batch", "B", "d"), ("tokens", "tokens", "d"), ("max_len", "max", "d"),
+            ("ours_default_ms", "ours default", ".3f"), ("ours_best_ms", "ours best", ".3f"),
+            ("ours_best_config", "best config", ""), ("varlen_ms", "varlen_attn", ".3f"),
+            ("flash_ms", "aten flash", ".3f"), ("ours_best_tflops", "ours TF/s", ".0f"),
+            ("best_vs_peer", "ours/best peer", ".2f"),
+        ]))  # fmt: skip
+        for r in variants:
+            for peer in ("varlen", "flash"):
+                if r[f"{peer}_error"]:
+                    print(f"  {r['case']} L<={r['max_len']}: {peer} did not run: {r[f'{peer}_error']}")
+    if linear:
+        print(f"\n## linear + bias, fp16 (share of the measured {peak:.0f} TFLOP/s peak)\n")
+        print(table(linear, [
+            ("shape", "shape", ""), ("tokens", "T", "d"), ("n", "N", "d"), ("k", "K", "d"),
+            ("cublas_ms", "cuBLAS ms", ".4f"), ("ours_best_ms", "ours ms", ".4f"), ("ours_best_config", "config", ""),
+            ("cublas_tflops", "cuBLAS TF/s", ".0f"), ("ours_best_tflops", "ours TF/s", ".0f"),
+            ("ours_vs_cublas", "ours/cuBLAS", ".2f"),
+        ]))  # fmt: skip
     big = [r for r in attn if r["tokens"] >= 16384]
     if big:
         print(f"\nattention, rows with >= 16k tokens: ours/varlen min {min(r['best_vs_varlen'] for r in big):.2f}, "
               f"geomean {np.exp(np.mean([np.log(r['best_vs_varlen']) for r in big])):.2f}")  # fmt: skip
-    print(f"linear: ours/cuBLAS min {min(r['ours_vs_cublas'] for r in linear):.2f}, "
-          f"geomean {np.exp(np.mean([np.log(r['ours_vs_cublas']) for r in linear])):.2f}")  # fmt: skip
-    path = write_json("kernels.json", {"env": env, "peak_tflops": peak, "attention": attn, "linear": linear}, args.out)
+    if linear:
+        print(f"linear: ours/cuBLAS min {min(r['ours_vs_cublas'] for r in linear):.2f}, "
+              f"geomean {np.exp(np.mean([np.log(r['ours_vs_cublas']) for r in linear])):.2f}")  # fmt: skip
+    payload = {"env": env, "peak_tflops": peak, "attention": attn, "variants": variants, "linear": linear}
+    path = write_json("kernels.json", payload, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -51,19 +51,25 @@ ATTN_CONFIGS = [
 ]
 
 
-def check_attention_case(device, dtype, lengths, head_dim, causal, config, align, heads=2):
-    rt = _ragged(lengths, (3, heads, head_dim), dtype, device, align)
-    q, k, v = rt.values.unbind(1)  # strided views, as an encoder's fused qkv projection gives them
+def check_attention_case(
+    device, dtype, lengths, head_dim, causal, config, align, heads=2, kv_heads=None, window=(-1, -1)
+):
+    kv_heads = kv_heads or heads
+    rt = _ragged(lengths, (heads + 2 * kv_heads, head_dim), dtype, device, align)
+    # strided views, as a fused qkv projection gives them (GQA: q's heads, then k's and v's fewer heads)
+    q, k, v = rt.values.split([heads, kv_heads, kv_heads], dim=1)
     offsets, dev_lengths = rt.layout.device_meta(rt.device)
     grid_mapping, block_offsets = rt.prelude(config.block_m)
     out = torch.full_like(q, float("nan"))  # poison: every real row must be written
     k_attn.ragged_attention(
-        q, k, v, offsets, dev_lengths, grid_mapping, block_offsets, causal=causal, config=config, out=out
+        q, k, v, offsets, dev_lengths, grid_mapping, block_offsets, causal=causal, config=config, out=out, window=window
     )
     real = _real_rows(rt)
-    ref64 = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), rt.layout.offsets, lengths, causal=causal)
-    same = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths, causal=causal, upcast=False)
-    assert_within_torch_error(out[real], same[real], ref64[real], f"attention {dtype} {lengths} {config.short()}")
+    args = dict(causal=causal, window=window)
+    ref64 = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), rt.layout.offsets, lengths, **args)
+    same = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths, upcast=False, **args)
+    what = f"attention {dtype} {lengths} {config.short()} heads {heads}/{kv_heads} window {window} causal {causal}"
+    assert_within_torch_error(out[real], same[real], ref64[real], what)
     # gap rows inside a component's last query block are zeros; any past it (align > block_m) untouched
     bm = config.block_m
     for start, end, n in zip(rt.layout.offsets, rt.layout.offsets[1:], lengths):
@@ -100,6 +106,167 @@ def test_attention_scale_argument():
     a = ops.ragged_attention(q, k, v, scale=0.5)
     b = ops.ragged_attention(RaggedTensor(q.values * (0.5 * 32**0.5), q.layout), k, v)
     torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+# -- attention variants: grouped-query heads, sliding windows, head dim 256 -----------------------
+# lengths 0, 1, 65, 129 and an outlier (129) among short ones; the windows are narrower than, as wide as and
+# wider than the components
+VARIANT_LENGTHS = [1, 0, 65, 3, 129, 2]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "heads, kv_heads, dtype, causal",
+    [
+        (4, 2, torch.float16, False),
+        (8, 2, torch.bfloat16, True),
+        (8, 1, torch.float16, True),
+        (3, 1, torch.float32, False),
+    ],
+    ids=["group2", "group4", "group8-mqa", "mqa-3-heads"],
+)
+def test_attention_grouped_query_heads(device, heads, kv_heads, dtype, causal):
+    """Query head h reads kv head h // (H / Hkv); k and v are strided views with fewer heads than q."""
+    config = ATTN_CONFIGS[1 + causal]
+    check_attention_case(device, dtype, VARIANT_LENGTHS, 32, causal, config, align=8, heads=heads, kv_heads=kv_heads)
+
+
+WINDOWS = [
+    ((4, 4), False),  # symmetric, far narrower than the tiles
+    ((16, 3), False),  # asymmetric
+    ((-1, 5), False),  # right bound only
+    ((40, -1), False),  # left bound only
+    ((7, 0), True),  # causal sliding (Mistral's W = 8)
+    ((20, 20), True),  # causal: the right bound is the diagonal
+    ((300, 300), False),  # longer than every component: plain attention
+    ((0, 0), False),  # each row sees itself only
+    ((0, -1), True),  # causal with a zero left bound: the diagonal only
+]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("window, causal", WINDOWS, ids=[f"{w[0]}_{w[1]}{'-causal' if c else ''}" for w, c in WINDOWS])
+def test_attention_sliding_windows(device, window, causal):
+    for config in (ATTN_CONFIGS[1], KernelConfig(block_m=16, block_n=32, num_warps=2, num_stages=1)):
+        check_attention_case(device, torch.float16, VARIANT_LENGTHS, 32, causal, config, 1, heads=1, window=window)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("config", [ATTN_CONFIGS[1], ATTN_CONFIGS[0]], ids=lambda c: c.short())
+def test_attention_window_edges_at_tile_boundaries(device, config):
+    """Window sides one short of, at and one past a 16-key tile: the bounds of the skipped, masked and unmasked
+    key tiles are off by one somewhere unless every one of these matches the reference."""
+    windows = [(1, 14), (14, 30), (15, 17), (17, 15), (16, 30), (31, 16), (15, 0), (17, 0)]
+    for window in windows:
+        causal = window[1] == 0
+        check_attention_case(device, torch.float32, [100, 37], 32, causal, config, 1, heads=1, window=window)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_grouped_query_heads_with_a_causal_window(device, dtype):
+    """Qwen2-style sliding layers: GQA, causal, a window of W = 24 (left 23), alignment gaps."""
+    check_attention_case(
+        device, dtype, VARIANT_LENGTHS, 64, True, ATTN_CONFIGS[2], align=16, heads=4, kv_heads=2, window=(23, 0)
+    )
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_attention_head_dim_256_with_groups_and_window(device):
+    config = k_attn.default_config(256, 40)
+    check_attention_case(device, torch.bfloat16, [1, 40, 17], 256, False, config, 1, heads=2, kv_heads=1, window=(8, 8))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("window, causal", [((8, 8), False), ((8, 0), True)], ids=["bidirectional", "causal"])
+def test_attention_window_skips_key_tiles_outside_it(device, window, causal):
+    """Key tiles wholly outside a query block's window are never read, not just masked: v is NaN outside
+    rows [96, 160) of a 256-row component, so a visited tile there would turn an output row NaN (p = 0 times
+    NaN); the rows whose blocks' windows stay inside [96, 160) (112..143 with 16-row tiles) must be finite and
+    right. The plain kernel, which reads every tile, fails this test."""
+    n, config = 256, KernelConfig(block_m=16, block_n=16, num_warps=2, num_stages=1)
+    rt = _ragged([n], (3, 1, 32), torch.float32, device)
+    q, k, v = (t.contiguous() for t in rt.values.unbind(1))
+    v_poisoned = v.clone()
+    v_poisoned[:96] = float("nan")
+    v_poisoned[160:] = float("nan")
+    offsets, lengths = rt.layout.device_meta(rt.device)
+    gm, bo = rt.prelude(config.block_m)
+    out = k_attn.ragged_attention(
+        q, k, v_poisoned, offsets, lengths, gm, bo, causal=causal, config=config, window=window
+    )
+    ref = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), [0], [n], causal=causal, window=window)
+    rows = slice(112, 144)
+    assert torch.isfinite(out[rows]).all(), "a key tile outside every window of the block was read"
+    torch.testing.assert_close(out[rows].double(), ref[rows], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(out[:16]).all(), "the poison must reach rows whose windows hold it (else the test is void)"
+
+
+def test_attention_supports_names_what_it_cannot_do():
+    assert k_attn.supports(64) is None
+    assert k_attn.supports(256, heads=28, kv_heads=4, window=(4095, 0), dtype=torch.bfloat16) is None
+    assert "head dim 48" in k_attn.supports(48)
+    assert "softcapping" in k_attn.supports(256, softcap=50.0)
+    assert "do not divide" in k_attn.supports(64, heads=8, kv_heads=3)
+    assert "float64" in k_attn.supports(64, dtype=torch.float64)
+    assert "-1 for unbounded" in k_attn.supports(64, window=(-2, 0))
+    assert 256 in k_attn.HEAD_DIMS
+
+
+@pytest.mark.parametrize(
+    "shapes, window, exc, words",
+    [
+        (((10, 8, 64), (10, 3, 64), (10, 3, 64)), (-1, -1), ValueError, "3 heads, which must divide q's 8"),
+        (((10, 8, 64), (9, 2, 64), (9, 2, 64)), (-1, -1), ValueError, "must have q's rows and head dim"),
+        (((10, 8, 64), (10, 2, 64), (10, 4, 64)), (-1, -1), ValueError, "one (T, Hkv, Dh) shape"),
+        (((10, 2, 64),) * 3, (-5, 0), ValueError, "window sides must be >= 0"),
+        (((10, 2, 64),) * 3, (3,), TypeError, "(left, right) pair"),
+        (((10, 2, 64),) * 3, (1.5, 2), TypeError, "(left, right) pair"),
+    ],
+)
+def test_attention_shape_and_window_errors_are_named(shapes, window, exc, words):
+    q, k, v = (torch.randn(s) for s in shapes)
+    offsets, lengths = torch.tensor([0, 10], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    layout = RaggedTensor.from_padded(torch.randn(1, 10, 1), [10]).layout
+    with pytest.raises(exc) as info:
+        k_attn.ragged_attention(q, k, v, offsets, lengths, torch.zeros(1, dtype=torch.int32), offsets, window=window)
+    assert words in str(info.value)
+    with pytest.raises(exc):  # the value-level op validates before choosing a backend
+        ops.attention_values(q, k, v, layout, window=window)
+
+
+def test_attention_default_configs_fit_their_budgets():
+    """Every head dim's default tiles pass the pruning predicate for 2- and 4-byte elements; head dim 256 takes
+    its own tiles (fp32 ones for 4 bytes), and the accumulator rule keeps 128-row tiles off 4 warps there. (Below
+    17 rows the 32-row default is longer than the predicate allows, as it was before head dim 256.)"""
+    for head_dim, max_len, size in itertools.product(k_attn.HEAD_DIMS, (20, 100, 4096), (2, 4)):
+        config = k_attn.default_config(head_dim, max_len, size)
+        assert k_attn.prune(config, head_dim=head_dim, max_len=max_len, element_size=size), (head_dim, max_len, size)
+    assert k_attn.default_config(256, 4096, 4) != k_attn.default_config(256, 4096, 2) != k_attn.DEFAULT_CONFIG
+    assert k_attn.default_config(128, 4096) == k_attn.DEFAULT_CONFIG == k_attn.default_config(64, 4096, 4)
+    big = KernelConfig(block_m=128, block_n=32, num_warps=4, num_stages=1)
+    assert k_attn.prune(big, head_dim=128, max_len=4096) and not k_attn.prune(big, head_dim=256, max_len=4096)
+    # a bounded window lifts the causal rule that the query block be a multiple of the key tile
+    odd = KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
+    assert not k_attn.prune(odd, head_dim=64, max_len=512, causal=True)
+    assert k_attn.prune(odd, head_dim=64, max_len=512, causal=True, window=(127, 0))
+
+
+def test_ops_attention_with_groups_and_window(backend):
+    """The public op on RaggedTensors, Triton and reference backends alike, against per-sequence SDPA with
+    torch's own GQA and an explicit window mask."""
+    lengths, heads, kv_heads, window = [5, 0, 19, 1, 33], 4, 2, (6, 2)
+    q = _ragged(lengths, (heads, 32), torch.float32, backend, align=8)
+    k, v = (RaggedTensor(_ragged(lengths, (kv_heads, 32), torch.float32, backend, 8).values, q.layout) for _ in "kv")
+    a = ops.ragged_attention(q, k, v, window=window)
+    assert (a.values[~_real_rows(q)] == 0).all()
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        keep = k_attn.window_mask(n, window, device=backend)
+        qi, ki, vi = (t.select(i).transpose(0, 1) for t in (q, k, v))
+        dense = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=keep, enable_gqa=True)
+        torch.testing.assert_close(a.select(i), dense.transpose(0, 1), rtol=2e-4, atol=2e-4)
 
 
 # -- linear ---------------------------------------------------------------------------------------
@@ -378,6 +545,11 @@ def test_registered_ops_propagate_shapes_with_fake_tensors():
         meta = torch.empty(5, dtype=torch.int32)
         out = torch.ops.autoragged.ragged_attention(q, q, q, meta, meta[:4], meta, meta, False, 0.125, 64, 64, 4, 2)
         assert out.shape == (100, 8, 64) and out.dtype == torch.float16
+        kv = torch.empty(100, 2, 64, dtype=torch.float16)  # GQA: the output has q's heads
+        out = torch.ops.autoragged.ragged_attention(
+            q, kv, kv, meta, meta[:4], meta, meta, True, 0.125, 64, 64, 4, 2, 63, 0
+        )
+        assert out.shape == (100, 8, 64)
         y = torch.ops.autoragged.ragged_linear(
             torch.empty(100, 512), torch.empty(2048, 512), None, 1, 64, 64, 32, 4, 2, 8
         )
@@ -395,3 +567,15 @@ def test_registered_op_runs_eagerly(device):
     out = torch.ops.autoragged.ragged_attention(q, k, v, offsets, lengths, gm, bo, False, 32**-0.5, 16, 16, 2, 1)
     ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_registered_op_carries_groups_and_window(device):
+    rt = _ragged([7, 30], (4, 32), torch.float32, device)
+    q, k, v = rt.values.split([2, 1, 1], dim=1)
+    offsets, lengths = rt.layout.device_meta(rt.device)
+    gm, bo = rt.prelude(16)
+    out = torch.ops.autoragged.ragged_attention(q, k, v, offsets, lengths, gm, bo, True, 32**-0.5, 16, 16, 2, 1, 4, 0)
+    ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths, causal=True, window=(4, 0))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ref, k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths, causal=True))
