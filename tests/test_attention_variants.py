@@ -16,10 +16,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from autoragged.kernels import ragged_attention as k_attn
 
 import autoragged.ops as ops
 from autoragged import RaggedTensor
-from autoragged.kernels import ragged_attention as k_attn
 
 LENGTHS = [9, 1, 5, 14, 3]  # right-padded to 14 in the transformers tests
 

@@ -55,7 +55,7 @@ def _lin(linear: nn.Linear):
 
 
 def _activation(fn):
-    """"relu" / "gelu" when our linear's epilogue computes exactly `fn`, else `fn` itself (run after it)."""
+    """ "relu" / "gelu" when our linear's epilogue computes exactly `fn`, else `fn` itself (run after it)."""
     if isinstance(fn, nn.ReLU) or fn is F.relu:
         return "relu"
     if (isinstance(fn, GELUActivation) and fn.act is F.gelu) or (isinstance(fn, nn.GELU) and fn.approximate == "none"):
@@ -146,22 +146,31 @@ class Family:
     unsupported: str | None = None  # why the ragged arm never runs this family
 
 
-_BERT = Family(_bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPoolingAndCrossAttentions,
-               _bert_pool)  # fmt: skip
+_BERT = Family(
+    _bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPoolingAndCrossAttentions, _bert_pool
+)
 _NO_INTERFACE = "its attention adds a relative-position bias outside transformers' attention interface"
 FAMILIES: dict[str, Family] = {
     "bert": _BERT,
     "roberta": _BERT,
     "xlm-roberta": _BERT,
     "camembert": _BERT,
-    "electra": Family(_bert_embed, _bert_layers, lambda b: b.encoder.layer,
-                      outputs.BaseModelOutputWithPastAndCrossAttentions),  # fmt: skip
-    "albert": Family(_bert_embed, _albert_layers, lambda b: b.encoder.albert_layer_groups,
-                     outputs.BaseModelOutputWithPooling, _albert_pool,
-                     first=lambda b: b.encoder.embedding_hidden_mapping_in),  # fmt: skip
+    "electra": Family(
+        _bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPastAndCrossAttentions
+    ),  # fmt: skip
+    "albert": Family(
+        _bert_embed,
+        _albert_layers,
+        lambda b: b.encoder.albert_layer_groups,
+        outputs.BaseModelOutputWithPooling,
+        _albert_pool,
+        first=lambda b: b.encoder.embedding_hidden_mapping_in,
+    ),  # fmt: skip
     "distilbert": Family(_distilbert_embed, _distilbert_layers, lambda b: b.transformer.layer, outputs.BaseModelOutput),
     "modernbert": Family(_modernbert_embed, None, lambda b: b.layers, outputs.BaseModelOutput),
-    "mpnet": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPooling, unsupported=_NO_INTERFACE),
+    "mpnet": Family(
+        None, None, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPooling, unsupported=_NO_INTERFACE
+    ),
     "deberta": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutput, unsupported=_NO_INTERFACE),
     "deberta-v2": Family(None, None, lambda b: b.encoder.layer, outputs.BaseModelOutput, unsupported=_NO_INTERFACE),
 }
