@@ -147,7 +147,11 @@ class Family:
 
 
 _BERT = Family(
-    _bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPoolingAndCrossAttentions, _bert_pool
+    _bert_embed,
+    _bert_layers,
+    lambda b: b.encoder.layer,
+    outputs.BaseModelOutputWithPoolingAndCrossAttentions,
+    _bert_pool,
 )
 _NO_INTERFACE = "its attention adds a relative-position bias outside transformers' attention interface"
 FAMILIES: dict[str, Family] = {
