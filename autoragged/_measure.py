@@ -146,21 +146,31 @@ def time_close_calls(fns: Sequence[Callable[[], object]], device: torch.device, 
 
 
 class ArmRunner:
-    """Runs any arm on a wrapped encoder through the dispatcher's execute path (what the runtime runs)."""
+    """Runs any arm on a wrapped model through the runtime's execute path (what the runtime runs): a torch
+    encoder (`run`: padded x and its key padding mask) or an HF encoder (`run_call` of `hf_call(kwargs)`)."""
 
-    def __init__(self, encoder: nn.TransformerEncoder):
+    def __init__(self, model: nn.Module):
         from ._dispatch import wrap
 
-        self.encoder = wrap(encoder, db=False, policy="auto", sample_every=0)
-        self.runtime = self.encoder._autoragged
+        self.encoder = wrap(model, db=False, policy="auto", sample_every=0)
+        self.module = next(m for m in self.encoder.modules() if hasattr(m, "_autoragged"))
+        self.runtime = self.module._autoragged
         self.runtime.graph_min_seen = 1  # measuring a graph arm means capturing it at once
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
         from .adapters.torch_encoder import TorchCall
 
-        call = TorchCall(self.runtime.body, x, None, mask, None, None)
+        return self.run_call(arm, TorchCall(self.runtime.body, x, None, mask, None, None), lengths, stats)
+
+    def hf_call(self, kwargs: dict):
+        """The call of the wrapped HF base model on `kwargs` (input_ids, attention_mask, ...)."""
+        from .adapters.hf_encoder import HFEncoderCall
+
+        return HFEncoderCall(self.runtime.body, self.module, dict(kwargs), None)
+
+    def run_call(self, arm: Arm, call, lengths: tuple[int, ...], stats: BatchStats):
         with torch.inference_mode():
-            out, note = self.runtime._execute(self.encoder, call, arm, lengths, stats, None)
+            out, note = self.runtime._execute(self.module, call, arm, lengths, stats, None)
         if note:
             raise RuntimeError(f"{arm.label} did not run as asked: {note}")
         return out

@@ -8,6 +8,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._backend import host_to_device, use_triton
@@ -401,12 +402,11 @@ def mask_lengths(
     # that, with equality only for 0..n-1). Two small kernels and one copy, instead of a chain of ops.
     dtype = torch.float32 if L <= 4096 else torch.float64  # exact integer sums (< 2**24 in float32)
     real = torch.where(mask.bool(), 0.0, 1.0).to(dtype)
-    host = (real @ _moment_weights(L, dtype, mask.device)).tolist()  # the one device->host copy
-    lengths = tuple(int(n) for n, _ in host)
-    for row, (n, position_sum) in enumerate(host):
-        if position_sum != n * (n - 1) / 2:
-            return lengths, row
-    return lengths, None
+    host = (real @ _moment_weights(L, dtype, mask.device)).cpu().numpy()  # the one device->host copy
+    counts = host[:, 0].astype(np.int64)
+    lengths = tuple(counts.tolist())
+    bad = np.flatnonzero(host[:, 1] != counts * (counts - 1) / 2)
+    return lengths, (int(bad[0]) if bad.size else None)
 
 
 _MOMENTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}

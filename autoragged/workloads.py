@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CORA", "CORA_MODEL", "CORA_BATCH_SIZES", "Dataset", "sample_cora", "sample", "FAMILIES"]
+__all__ = [
+    "CORA", "CORA_MODEL", "CORA_BATCH_SIZES", "Dataset", "sample_cora", "sample", "FAMILIES", "HF_SHAPES", "hf_config"
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,43 @@ FAMILIES = {
     "uniform": lambda b, L, r: (1 + np.floor(r.random(b) * r.uniform(0.1, 1.0) * L)).astype(int).tolist(),
     "equal": lambda b, L, r: [int(r.integers(1, L + 1))] * b,
 }
+
+
+# -- HuggingFace encoder shapes (random weights: nothing is downloaded) -------------------------------------
+# name -> (model_type, hidden, layers, heads, ff, vocab); the dims of the public checkpoints of those names
+HF_SHAPES = {
+    "bert-base": ("bert", 768, 12, 12, 3072, 30522),
+    "bert-large": ("bert", 1024, 24, 16, 4096, 30522),
+    "roberta-base": ("roberta", 768, 12, 12, 3072, 50265),
+    "MiniLM-L12-H384": ("bert", 384, 12, 12, 1536, 30522),
+    "bge-small": ("bert", 384, 12, 12, 1536, 30522),
+}
+
+
+def hf_config(name: str):
+    """A transformers config for one of HF_SHAPES, or read from a config.json path (transformers is imported
+    here, lazily: it is an optional dependency)."""
+    import json
+    import os
+
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("HF model shapes need transformers: pip install 'autoragged[transformers]'") from e
+    if name in HF_SHAPES:
+        model_type, hidden, layers, heads, ff, vocab = HF_SHAPES[name]
+        extra = {}
+        if model_type == "roberta":  # positions start at padding_idx + 1 = 2
+            extra = {"max_position_embeddings": 514, "pad_token_id": 1, "type_vocab_size": 1}
+        return transformers.AutoConfig.for_model(
+            model_type, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            intermediate_size=ff, vocab_size=vocab, **extra,
+        )  # fmt: skip
+    if os.path.isfile(name) or os.path.isfile(os.path.join(name, "config.json")):
+        path = name if os.path.isfile(name) else os.path.join(name, "config.json")
+        with open(path) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise ValueError(f"{path} has no model_type: not a transformers config.json")
+        return transformers.AutoConfig.for_model(**data)
+    raise ValueError(f"unknown HF model {name!r}: one of {sorted(HF_SHAPES)} or a config.json path")

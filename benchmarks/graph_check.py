@@ -25,6 +25,7 @@ from autoragged.tuning_db import BatchStats  # noqa: E402
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
+from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 
 BATCHES = [[37, 5, 100, 1], [64, 64, 3], [17] * 9, [200, 1, 1, 1, 1, 90], [90, 50, 100, 2]]
@@ -42,7 +43,8 @@ def max_err(enc, arm_a, arm_b, lengths, batch_first, seed):
     del churn
     for arm in (arm_a, arm_b):
         with torch.inference_mode():
-            y, note = enc._autoragged._execute(enc, arm, x, x, False, None, mask, None, tuple(lengths), L, stats)
+            rt = enc._autoragged
+            y, note = rt._execute(enc, TorchCall(rt.body, x, None, mask, None, None), arm, tuple(lengths), stats, None)
         assert note is None, note
         y = y if batch_first else y.transpose(0, 1)
         outs.append(torch.cat([y[i, :n] for i, n in enumerate(lengths)]).float())

@@ -46,6 +46,7 @@ import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import Planner, default_ragged_config, graph_config  # noqa: E402
+from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
 from autoragged.workloads import CORA, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.cora_table import VarlenEncoder, build_model, graphed, varlen_inputs  # noqa: E402
@@ -114,12 +115,13 @@ def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> dict[str, f
     shape = rt.mask_shapes[(B, L)]
     arm, tokens = shape[1], shape[4]
     pads = mgraph.pads
+    call = lambda: TorchCall(rt.body, x, None, mask, None, None)  # noqa: E731
     steps = [
         ("the whole call", lambda: masked(x, src_key_padding_mask=mask)),
-        ("runtime.run", lambda: rt.run(masked, x, None, mask, None, None)),
+        ("runtime.run", lambda: rt.run(masked, call())),
         # (its count reset each time: it leaves every 16th batch, a read, to the general path)
-        ("_replay_unread (trusted)", lambda: (shape.__setitem__(2, 1), rt._replay_unread(masked, x, mask, shape))),
-        ("_execute_unread", lambda: rt._execute_unread(masked, x, mask, B, L, arm, tokens)),
+        ("_replay_unread (trusted)", lambda: (shape.__setitem__(2, 1), rt._replay_unread(masked, call(), shape))),
+        ("_execute_unread", lambda: rt._execute_unread(masked, call(), arm, tokens)),
         (
             "graph lookup (ragged_mask)",
             lambda: rt.graphs.ragged_mask(rt, masked, arm.config, False, B, L, x.dtype, x.device, tokens),

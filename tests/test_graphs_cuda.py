@@ -11,7 +11,7 @@ from autoragged.tuning_db import BatchStats  # noqa: E402
 import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
-from autoragged.adapters.torch_encoder import _BASE  # noqa: E402
+from autoragged.adapters.torch_encoder import _BASE, TorchCall  # noqa: E402
 from autoragged.runtime import graphs as _graphs  # noqa: E402
 
 D, H = 256, 4
@@ -32,7 +32,7 @@ def run(enc, arm, lengths, L=None, batch_first=True, seed=0):
     stats = BatchStats.from_lengths(tuple(lengths), padded_len=L)
     rt = enc._autoragged
     with torch.inference_mode():
-        return rt._execute(enc, arm, x, x, False, None, mask, None, tuple(lengths), L, stats)
+        return rt._execute(enc, TorchCall(rt.body, x, None, mask, None, None), arm, tuple(lengths), stats, None)
 
 
 def call_mask(enc, x, mask, no_sync: bool):
@@ -219,13 +219,14 @@ def test_replay_with_host_lengths_never_syncs():
     x = torch.randn(3, 80, D, device="cuda", dtype=torch.float16)
     for arm in (Arm("ragged_graph", cfg), PADDED_GRAPH):
         stats = BatchStats.from_lengths((80, 9, 33))
+        call = TorchCall(enc._autoragged.body, x, None, None, None, None)
         with torch.inference_mode():
-            enc._autoragged._execute(enc, arm, x, x, False, None, None, None, (80, 9, 33), 80, stats)  # capture
+            enc._autoragged._execute(enc, call, arm, (80, 9, 33), stats, None)  # capture
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.inference_mode():
-                out, note = enc._autoragged._execute(enc, arm, x, x, False, None, None, None, (80, 9, 33), 80, stats)
+                out, note = enc._autoragged._execute(enc, call, arm, (80, 9, 33), stats, None)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert note is None and out.shape == x.shape
@@ -262,7 +263,8 @@ def test_ragged_input_replays_a_graph_of_its_own_alignment(align):
     for arm in (Arm("ragged_graph", cfg), Arm("ragged", cfg)):
         for _ in range(2):  # the second graph call replays what the first captured
             with torch.inference_mode():
-                y, note = rt_._execute(enc, arm, src, src.values, True, None, None, None, tuple(lengths), 64, stats)
+                y, note = rt_._execute(enc, TorchCall(rt_.body, src, None, None, None, None), arm, tuple(lengths), stats,
+                                       None)  # fmt: skip
             assert note is None, note
         outs.append(y.to_padded())
     torch.testing.assert_close(real(outs[0], lengths), real(outs[1], lengths), rtol=2e-3, atol=2e-3)
@@ -372,7 +374,7 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 200)  # judged
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
-            want = rt_.base.forward(enc, x, None, mask, None)
+            want = rt_.body.base.forward(enc, x, None, mask, None)
         d = autoragged.recent_decisions(enc, 1)[0]
         assert "not read" in d.reason and d.arm == "ragged_graph", d.reason
         assert d.stats.total == int((~mask).sum()) and d.stats.batch == B
@@ -420,7 +422,7 @@ def test_a_trusted_mask_shape_replays_its_kept_graph_and_notices_what_changed():
         x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=hot)
-            want = rt_.base.forward(enc, x, None, mask, None)
+            want = rt_.body.base.forward(enc, x, None, mask, None)
         keep = ~mask
         torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
         assert (y[mask] == 0).all()
@@ -478,9 +480,9 @@ def test_queued_replays_each_fetch_their_own_args_from_the_pinned_ring(padded):
     for x, lengths, out in zip(xs, batches, outs):
         stats = BatchStats.from_lengths(tuple(lengths), padded_len=40)
         with torch.inference_mode():
-            eager, _ = enc._autoragged._execute(
-                enc, eager_arm, x, x, False, None, None, None, tuple(lengths), 40, stats
-            )
+            rt_ = enc._autoragged
+            eager, _ = rt_._execute(enc, TorchCall(rt_.body, x, None, None, None, None), eager_arm, tuple(lengths), stats,
+                                    None)  # fmt: skip
         tol = 1e-2 if padded else 2e-3  # the padded graph runs PyTorch's plain path, eager its nested one
         torch.testing.assert_close(real(out, lengths), real(eager, lengths), rtol=tol, atol=tol)
     torch.testing.assert_close(again, outs[0], rtol=0, atol=0)
@@ -519,7 +521,7 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
             y.add_(0)
         if i % 10 == 0:
             with torch.inference_mode():
-                want = rt_.base.forward(enc, x, None, mask, None)
+                want = rt_.body.base.forward(enc, x, None, mask, None)
             keep = ~mask
             torch.testing.assert_close(y[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
             assert (y[mask] == 0).all()

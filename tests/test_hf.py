@@ -256,6 +256,11 @@ def test_lengths_keyword_and_no_mask(monkeypatch):
         out = model(input_ids=kwargs["input_ids"], attention_mask=kwargs["attention_mask"], lengths=list(LENGTHS))
         assert last(model).stats.total == sum(LENGTHS)
         check_close("bert", out, model, kwargs, keep)
+        for policy in ("padded", "ragged"):  # lengths= alone: no mask to read; the padded arm builds one
+            model._autoragged.policy = policy
+            alone = model(input_ids=kwargs["input_ids"], lengths=list(LENGTHS))
+            assert last(model).arm == policy
+            check_close("bert", alone, model, kwargs, keep)
         full = model(input_ids=kwargs["input_ids"])  # no mask: every token is real
         assert last(model).stats.total == kwargs["input_ids"].numel()
         check_close("bert", full, model, {"input_ids": kwargs["input_ids"]}, torch.ones_like(keep))

@@ -473,7 +473,7 @@ def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
         # as run() and _run_unread queue them; _harvest hands each to _probe_result
         for kind, ms in [("read", read_ms)] + [("unread", ms) for ms in unread]:
             ev = _DoneEvents(ms)
-            rt.pending.append((ev, ev, None, torch.device("cpu"), False, (probe, B, 40, kind)))
+            rt.pending.append((ev, ev, 0.0, None, torch.device("cpu"), False, (probe, B, 40, kind)))
         rt._harvest()
         assert not rt.pending
     assert rt.mask_shapes[(8, 40)][0] == dispatch._TRUST  # 1.05 <= 1.0 + 0.1: it stays trusted

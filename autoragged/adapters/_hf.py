@@ -105,6 +105,8 @@ def ragged_attention_of(config, layout, kernel_config):
 def hidden_hooked(hook_dicts) -> bool:
     """True when a hook other than transformers' own output capturing sits on a watched submodule (those
     are inert outside a capturing forward: the ragged arm builds hidden states itself)."""
+    if not any(hook_dicts):  # the common case, at C speed
+        return False
     for hooks in hook_dicts:
         if hooks:
             for hook in hooks.values():
@@ -218,10 +220,22 @@ class HFCall(Call):
             self._x = self.body.embed(self.module, self.kwargs)
         return self._x
 
+    def prefetch(self) -> None:
+        """The embeddings, queued before the mask read: after it, the host has less to launch before the
+        replay (if the padded arm wins, the model computes its own and these were a few wasted launches)."""
+        if self.reason is None and self.passthrough is None:
+            self.x  # noqa: B018 - computed and kept
+
     def original(self, module):
         return self.body.forward_of(module)(**self.kwargs)
 
     def padded(self, module, lens, stats):
+        if self.kwargs.get("attention_mask") is None and stats.total < stats.batch * self.L:
+            # lengths= without a mask: the padded model needs one (built on the device from the host lengths)
+            from ..runtime.core import pad_mask
+
+            mask = ~pad_mask(lens, self.L, self.device)
+            return self.body.forward_of(module)(**{**self.kwargs, "attention_mask": mask})
         return self.original(module)
 
     def padded_mask(self, module):

@@ -23,6 +23,7 @@ class Body:
     batch_first:    the padded tensor the ragged arm packs is (B, L, D) (else (L, B, D))
     d_model, head_dim
     has_dropout:    training mode then runs padded
+    fused:          the layers run as fused-encoder specs (so Triton linears are an option for graphs)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
     memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
@@ -34,6 +35,7 @@ class Body:
     d_model = 0
     head_dim = 0
     has_dropout = False
+    fused = False
     mask_graph = False
     padded_forward = None
     memo: tuple = ()
@@ -96,6 +98,10 @@ class Call:
     eager_only = None
     wants_hidden = False
     requires_grad = False
+
+    def prefetch(self) -> None:
+        """Queue device work the ragged arms will need, before the host blocks on reading the mask's lengths
+        (so the GPU has it while the host waits); a no-op unless the family has such work."""
 
     def padded(self, module, lens: tuple[int, ...], stats):
         """The padded arm's output for this call (host lengths known)."""

@@ -200,10 +200,14 @@ class HFEncoderBody(Body):
         self._list = family.layer_list(module)
         self._list_dict, self._count = self._list._modules, len(self._list)
         self._specs = EpochCache(self._make_specs)
+        self._probe = EpochCache(lambda: next(self.module.parameters()))
         self.pools_first_token = family.pool is not None and getattr(module, "pooler", None) is not None
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
-        self.mask_graph = family.layers is not None
+        self.fused = family.layers is not None
+        # the mask-only graph never reads lengths, so it cannot tell a left-padded row, whose column 0 (what a
+        # first-token pooler reads) is a pad in the original: models with such a pooler read their lengths
+        self.mask_graph = self.fused and not self.pools_first_token
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", 1)
         d_model = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
         self.d_model, self.head_dim = d_model, d_model // max(heads, 1)
@@ -241,7 +245,7 @@ class HFEncoderBody(Body):
         return None
 
     def probe(self) -> torch.Tensor:
-        return next(self.module.parameters())
+        return self._probe.get()
 
     def hooked(self) -> bool:
         return _hf.hidden_hooked(self._hook_dicts)

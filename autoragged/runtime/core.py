@@ -223,6 +223,7 @@ class Runtime:
                     shape[2] += 1
                     if shape[2] % _RECHECK:
                         return self._run_unread(module, call, shape)
+                call.prefetch()  # queue what every ragged arm needs before the read blocks the host
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, call.lengths, B, L)
             if mask_only:
@@ -260,7 +261,10 @@ class Runtime:
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = _timers(call.device)
             start.record()
+            host0 = time.perf_counter()
         out, note = self._execute(module, call, arm, lens, stats, not_prefix)
+        if sampled:
+            host_ms = (time.perf_counter() - host0) * 1e3
         # the record is made once the arm's work is queued: a launch-bound batch's latency is the host time
         # before its last launch, and bookkeeping after it overlaps the GPU's work
         record = Record(stats, arm, plan.predicted_ms, why, device_key(call.device), self.sig_key)
@@ -273,7 +277,7 @@ class Runtime:
         if sampled:
             end.record()
             self.ring.append(record)
-            self.pending.append((start, end, record, call.device, free, probe))
+            self.pending.append((start, end, host_ms, record, call.device, free, probe))
         else:
             self._record(record)
         if self.pending:
@@ -341,11 +345,13 @@ class Runtime:
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = _timers(call.device)
             start.record()
+            host0 = time.perf_counter()
         out, pads, width, note, graph = self._execute_unread(module, call, arm, tokens)
         if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
             end.record()
             probe["left"] -= 1
-            self.pending.append((start, end, None, call.device, False, (probe, B, L, "unread")))
+            host_ms = (time.perf_counter() - host0) * 1e3
+            self.pending.append((start, end, host_ms, None, call.device, False, (probe, B, L, "unread")))
         if note is not None:
             arm, why = PADDED, f"{why}; {note}"
         record = Record(None, arm, predicted, why, device_key(call.device), self.sig_key)
@@ -558,7 +564,7 @@ class Runtime:
         model, shortlist = learned if learned is not None else (AnalyticPrior(key), None)
         graphs = self.graphs_enabled and device.type == "cuda"
         padded_graph = graphs and self.body.padded_forward is not None
-        backends = GRAPH_BACKENDS if self.body.mask_graph else ("cublas",)
+        backends = GRAPH_BACKENDS if self.body.fused else ("cublas",)
 
         def candidates(stats: BatchStats) -> list[Arm]:
             arms = shortlist(stats) if shortlist else [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
@@ -648,15 +654,20 @@ class Runtime:
         return self.graphs
 
     def _harvest(self, wait: bool = False) -> None:
-        """Read the timings of sampled batches whose end event has completed; waits only if `wait`."""
+        """Read the timings of sampled batches whose end event has completed; waits only if `wait`.
+
+        A batch's latency is the longer of its GPU time (events) and the host time its arm took to queue the
+        work: with the host ahead of a busy GPU (a stream of `lengths=` calls, nothing synchronising), the
+        events see the GPU's time alone, and an eager arm whose launches took 6-9 ms of host time measured under
+        a graph replay's 1.1 ms (bert-base, CoLA B=128, H100, 2026-11-24): the planner then chose it."""
         while self.pending:
-            start, end, record, device, free, probe = self.pending[0]
+            start, end, host_ms, record, device, free, probe = self.pending[0]
             if wait:
                 end.synchronize()
             elif not end.query():
                 return
             self.pending.popleft()
-            ms = start.elapsed_time(end)
+            ms = max(start.elapsed_time(end), host_ms)
             if probe is not None:
                 self._probe_result(*probe, ms)
             if record is None:  # a timed unread run: its record went out when it ran

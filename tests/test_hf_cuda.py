@@ -1,0 +1,128 @@
+"""HF encoders on the GPU: bert-base and MiniLM shapes in fp16 and bf16 through every ragged arm, against the
+original in the same dtype and in float64; no device sync with `lengths=`; one with a mask alone (the read)
+unless the mask-only graph serves the batch."""
+
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+from _tolerance import assert_within_torch_error  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged._costmodel import Arm  # noqa: E402
+from autoragged._measure import ArmRunner  # noqa: E402
+from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
+from autoragged.workloads import hf_config  # noqa: E402
+
+LENGTHS = (100, 7, 63, 1, 128, 30)
+
+
+def model(name, dtype, layers=None, pooler=True):
+    config = hf_config(name)
+    if layers:
+        config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    m = transformers.BertModel(config, add_pooling_layer=pooler) if not pooler else transformers.AutoModel.from_config(config)
+    return m.to("cuda", dtype).eval()
+
+
+def batch(lengths=LENGTHS, seed=0, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    keep = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.randint(5, 30000, (len(lengths), L), generator=g).masked_fill(~keep, pad)
+    return {"input_ids": ids.cuda(), "attention_mask": keep.long().cuda()}, keep.cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["bert-base", "MiniLM-L12-H384"])
+def test_every_ragged_arm_computes_the_original(name, dtype):
+    plain = model(name, dtype)
+    runner = ArmRunner(model(name, dtype))
+    kwargs, keep = batch()
+    with torch.inference_mode():
+        want = plain(**kwargs)
+        want64 = plain.double()(**kwargs)
+    plain.to(dtype)
+    head_dim = runner.runtime.body.head_dim
+    stats = BatchStats.from_lengths(LENGTHS)
+    arms = [Arm("ragged", default_ragged_config(head_dim, 128)), Arm("ragged", graph_config(head_dim, 128, "triton"))]
+    arms += [Arm("ragged_graph", graph_config(head_dim, 128, b)) for b in ("cublas", "triton")]
+    for arm in arms:
+        for _ in range(2):  # a graph arm captures, then replays
+            out = runner.run_call(arm, runner.hf_call(kwargs), LENGTHS, stats)
+        assert out.last_hidden_state.dtype == dtype
+        assert_within_torch_error(out.last_hidden_state[keep], want.last_hidden_state[keep],
+                                  want64.last_hidden_state[keep], f"{name} {arm.label}")  # fmt: skip
+        assert_within_torch_error(out.pooler_output, want.pooler_output, want64.pooler_output, f"{arm.label} pooler")
+        assert (out.last_hidden_state[~keep] == 0).all()
+
+
+def test_the_mask_graph_runs_any_padding_and_never_syncs():
+    """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
+    same result as the original on real tokens, left padding included (a model without a first-token pooler:
+    one with it reads its lengths, `HFEncoderBody.mask_graph`)."""
+    from autoragged.runtime import core
+
+    m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=False), db=False, sample_every=0)
+    assert not autoragged.wrap(model("bert-base", torch.float16, layers=1), db=False)._autoragged.body.mask_graph
+    base = m
+    rt = base._autoragged
+    rt.graph_min_seen = 1
+    arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
+    kwargs, keep = batch()
+    B, L = keep.shape
+    rt.mask_shapes[(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
+    plain = model("bert-base", torch.float16, layers=4, pooler=False)
+    left = {"input_ids": kwargs["input_ids"].flip(1), "attention_mask": kwargs["attention_mask"].flip(1)}
+    with torch.inference_mode():
+        for call, k in ((kwargs, keep), (left, keep.flip(1))):
+            m(**call)  # captures (or replays) the mask graph
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = m(**call)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = plain(**call)
+            torch.testing.assert_close(out.last_hidden_state[k].float(), want.last_hidden_state[k].float(),
+                                       rtol=2e-2, atol=2e-2)  # fmt: skip
+    assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
+
+
+def _syncs(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("policy", ["ragged", "auto"])
+def test_lengths_never_sync_and_a_mask_syncs_once(policy):
+    m = autoragged.wrap(model("MiniLM-L12-H384", torch.float16, layers=2), db=False, policy=policy, sample_every=0)
+    kwargs, keep = batch()
+    with torch.inference_mode():
+        ids = kwargs["input_ids"]
+        for _ in range(3):  # capture, plan, compile out of the way
+            m(input_ids=ids, lengths=list(LENGTHS))
+            m(**kwargs)
+        with_lengths = _syncs(lambda: m(input_ids=ids, lengths=list(LENGTHS)))
+        ran = autoragged.recent_decisions(m, 1)[0]
+        if ran.arm != "padded":  # (the padded arm is HF's own forward, whose sdpa mask code reads the mask)
+            assert with_lengths == 0, ran
+        with_mask = _syncs(lambda: m(**kwargs))
+        ran = autoragged.recent_decisions(m, 1)[0]
+    if ran.arm != "padded":
+        assert with_mask == (0 if "lengths not read" in ran.reason else 1), ran
+    assert policy == "auto" or ran.arm == "ragged"
