@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m autoragged.tune",
         description="Calibrate this GPU (or CPU) for autoragged: measure both arms over many length "
         "distributions, search kernel configs with optuna, fit the cost model, store it in the tuning database.",
-        epilog="examples:\n  python -m autoragged.tune --quick            # about a minute (a 2-core CPU: 53-62 s)\n"
-        "  python -m autoragged.tune --budget 10        # ten minutes, CoRa + BERT-base + BERT-large\n"
+        epilog="examples:\n  python -m autoragged.tune --quick            # about a minute (two at most when busy)\n"
+        "  python -m autoragged.tune --budget 10        # ten minutes (on a GPU: CoRa, BERT-base, BERT-large)\n"
         "  python -m autoragged.tune --refit            # refit from what is recorded (incl. traffic)\n"
         "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
