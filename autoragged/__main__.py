@@ -7,6 +7,23 @@ import os
 import sys
 
 
+def _ragged_arm(device) -> str:
+    """What the ragged arm runs on `device`, as `autoragged.ops` chooses for a tensor there (`use_triton`):
+    attention, norms and packing on Triton kernels or their PyTorch references; the linears of the
+    default config on torch.nn.functional.linear (cuBLAS on a GPU)."""
+    import torch
+
+    from ._backend import use_triton
+    from .kernels._triton import HAS_TRITON
+
+    if device.type == "cuda":
+        return "Triton kernels (compiled), linears on cuBLAS (Triton ones in the graph fed the mask)"
+    if use_triton(torch.empty(0, device=device)):
+        return "Triton kernels in Triton's interpreter (TRITON_INTERPRET=1), linears on PyTorch's CPU matmul"
+    other = "TRITON_INTERPRET=1: Triton's interpreter" if HAS_TRITON else "Triton is not installed"
+    return f"PyTorch reference ops, linears on PyTorch's CPU matmul ({other})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autoragged",
@@ -17,16 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import autoragged
-
-    from .kernels._config import interpreting
     from .kernels._triton import HAS_TRITON
 
-    if torch.cuda.is_available():
-        device = f"cuda: {torch.cuda.get_device_name()}"
-        path = "Triton kernels (compiled)"
-    else:
-        device = "cpu"
-        path = "Triton kernels (interpreter)" if HAS_TRITON and interpreting() else "PyTorch reference ops"
+    cuda = torch.cuda.is_available()
+    device = f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu"
     triton_version = "not installed"
     if HAS_TRITON:
         import triton
@@ -38,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ("torch", torch.__version__),
         ("triton", triton_version),
         ("device", device),
-        ("ragged arm runs", path),
+        ("ragged arm runs", _ragged_arm(torch.device("cuda" if cuda else "cpu"))),
         ("tuning database", os.environ.get("AUTORAGGED_DB", "~/.cache/autoragged/tuning.sqlite (default)")),
     ]
     width = max(len(k) for k, _ in rows)

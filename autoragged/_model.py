@@ -43,12 +43,21 @@ from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignatu
 
 __all__ = [
     "CompiledModel", "Forest", "fit_cost_model", "evaluate_choices", "against_every_arm", "held_out_predictions",
-    "KIND", "TIE",
+    "KIND", "TIE", "MIN_ROWS", "TooFewMeasurements",
 ]  # fmt: skip
 
 KIND = "gbt-arrays"
 TIE = 0.01  # two arms within 1% of each other are a tie at the noise level of our timings
 _FIELDS = ("feature", "threshold", "left", "right", "value", "leaf")
+MIN_ROWS = 20  # usable measurements a fit needs: fewer, and the runtime keeps the analytic prior
+
+
+class TooFewMeasurements(ValueError):
+    """Fewer than MIN_ROWS usable measurements of a device: there is nothing to fit yet."""
+
+    def __init__(self, rows: int, device: str):
+        self.rows = rows
+        super().__init__(f"only {rows} usable measurements for {device} (a fit needs {MIN_ROWS}); run the tuner longer")
 
 
 def arm_of(m: Measurement) -> Arm:
@@ -281,12 +290,16 @@ def _rows(measurements: Sequence[Measurement], device: DeviceKey) -> _Rows:
                  {r: np.asarray(v, dtype=bool) for r, v in is_ref.items()})  # fmt: skip
 
 
-def _fit_trees(X: np.ndarray, y: np.ndarray, seed: int = 0, weight: np.ndarray | None = None):
+def _regressor_class():
     try:
         from sklearn.ensemble import HistGradientBoostingRegressor
     except ImportError as e:  # pragma: no cover - scikit-learn is a dependency
         raise ImportError("fitting the cost model needs scikit-learn: pip install scikit-learn") from e
-    model = HistGradientBoostingRegressor(
+    return HistGradientBoostingRegressor
+
+
+def _fit_trees(X: np.ndarray, y: np.ndarray, seed: int = 0, weight: np.ndarray | None = None):
+    model = _regressor_class()(
         max_iter=150, max_depth=6, learning_rate=0.1, min_samples_leaf=8, l2_regularization=1.0, random_state=seed
     )
     return model.fit(X, y, sample_weight=weight)
@@ -521,8 +534,27 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
     """Fit on every measurement of `device`, evaluate leaving one length family out at a time (or 25% of
     the batches when only one family was measured), and return the compiled model with `.metrics`."""
     rows = _rows(measurements, device)
-    if len(rows.y) < 20:
-        raise ValueError(f"only {len(rows.y)} usable measurements for {device.key}; run the tuner longer")
+    if len(rows.y) < MIN_ROWS:
+        raise TooFewMeasurements(len(rows.y), device.key)
+    with _one_thread():
+        return _fit_and_evaluate(measurements, rows, device, seed)
+
+
+# scikit-learn's trees run on OpenMP threads, beside torch's own OpenMP pool in the same process, and a tree of
+# a few thousand rows gives each thread microseconds of work between barriers. On the 2-core CPU box with other
+# jobs running (load 3-9, 2026-11-24), one thread against the default two: the 46 measurements of a
+# `tune --quick` fit in 5.2-5.7 s against 10-121 s (CPU time 1.8 against 14-43 s); a refit of the H100
+# calibration tune_budget10_screened (4,172 measurements) in 65-72 s against 239 s (CPU 21 against 118 s),
+# the same model to the bit. The limit reaches only the OpenMP runtimes loaded when it is set, so
+# scikit-learn's is loaded first.
+def _one_thread():
+    from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
+
+    _regressor_class()
+    return threadpool_limits(limits=1, user_api="openmp")
+
+
+def _fit_and_evaluate(measurements: Sequence[Measurement], rows: _Rows, device: DeviceKey, seed: int) -> CompiledModel:
     families = sorted({f for f, g in zip(rows.family, rows.group) if g})
     reference = _pick_reference(rows)
     predicted, holdout = held_out_predictions(rows, device, reference, seed)

@@ -82,7 +82,8 @@ _MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG 
 @dataclass
 class Share:
     """How many of a module's batches went one way. label: an arm ("padded", "ragged") or an arm label
-    ("padded", "ragged:m64n64k64w4s2a1-cublas"); batches: count; share: batches / module batches (0..1)."""
+    ("padded", "ragged:m64n64k64w4s2a1-cublas"; the printed report shows "-torch" for it on a CPU, where those
+    linears run PyTorch's CPU matmul); batches: count; share: batches / module batches (0..1)."""
 
     label: str
     batches: int
@@ -264,6 +265,16 @@ def _config_label(arm: str, config: dict[str, Any]) -> str:
 
 def _label(d: Decision | Measurement) -> str:
     return arm_label(d.arm, d.config)
+
+
+def _shown(label: str, device: str) -> str:
+    """An arm label as the report prints it for `device` (a DeviceKey.key, `...|cccpu|...` on a CPU). A config
+    of the "cublas" linear backend calls torch.nn.functional.linear, which is cuBLAS on a GPU only; on a CPU it
+    is PyTorch's CPU matmul, printed "-torch". The labels the data carries (Decision.predicted_ms) stay as
+    they are."""
+    if label.endswith("-cublas") and "|cccpu|" in device:
+        return label.removesuffix("-cublas") + "-torch"
+    return label
 
 
 def _is_padded(arm: str) -> bool:
@@ -673,11 +684,12 @@ def _checks_rows(m: ModuleSummary) -> list[tuple]:
 
 
 def _module_blocks(m: ModuleSummary) -> list[tuple]:
+    configs = [(_shown(s.label, m.device), s.batches, _pct(s.share)) for s in m.configs]
     blocks: list[tuple] = [
         ("h", 3, f"module {m.signature}"),
         ("p", f"{_count_of(m.batches, 'batch')} from {_when(m.first)} to {_when(m.last)}."),
         ("table", ["arm", "batches", "share"], [(s.label, s.batches, _pct(s.share)) for s in m.arms]),
-        ("table", ["arm and config", "batches", "share"], [(s.label, s.batches, _pct(s.share)) for s in m.configs]),
+        ("table", ["arm and config", "batches", "share"], configs),
     ]
     if m.fallback_reasons:
         rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.fallback_reasons.items()]
@@ -819,7 +831,7 @@ def _decision_map(Figure, decisions: list[Decision]):
     step = max(1, len(points) // _MAX_MAP_POINTS)
     groups: dict[str, list[Decision]] = defaultdict(list)
     for d in points[::step]:
-        groups["padded (forced)" if _forced(d) and _is_padded(d.arm) else _label(d)].append(d)
+        groups["padded (forced)" if _forced(d) and _is_padded(d.arm) else _shown(_label(d), d.device)].append(d)
     colours = {"padded": "tab:blue", "padded (forced)": "tab:gray", "padded_graph": "tab:cyan"}
     others = sorted(g for g in groups if g not in colours)
     colours.update({g: _CONFIG_COLOURS[i % len(_CONFIG_COLOURS)] for i, g in enumerate(others)})

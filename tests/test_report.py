@@ -233,6 +233,17 @@ def test_terminal_report_prints_the_numbers(filled, capsys):
     assert "Not calibrated" in out  # the CPU device
 
 
+def test_cpu_configs_do_not_claim_cublas(filled, capsys):
+    """The default ragged config's linears call torch.nn.functional.linear: cuBLAS on a GPU, PyTorch's CPU
+    matmul on a CPU; the printed labels say which."""
+    _, cpu, _ = filled
+    assert report.main(["--db", str(filled[0]), "--device", cpu]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| ragged:m\w+-torch +\| +\d+ \|", out) and "-cublas" not in out
+    assert report.main(["--db", str(filled[0]), "--device", H100.key]) == 0
+    assert re.search(rf"\| {re.escape(LA)} +\| +3 \|", capsys.readouterr().out)
+
+
 # ------------------------------------------------------------------------------------------ filters
 
 

@@ -594,3 +594,53 @@ def test_measuring_stops_in_time_for_the_slowest_batch_and_the_fit():
     assert not tune._time_to_measure(total, 10.0, 520.0, 5000, 1.0)
     # a tiny budget keeps at most half of itself for the fit, so it still measures
     assert tune._time_to_measure(6.0, 0.5, 0.0, 0, 0.0) and not tune._time_to_measure(6.0, 0.5, 2.6, 0, 0.0)
+
+
+def _slow_machine(monkeypatch, seconds_per_batch: float):
+    """The tuner's clock advances `seconds_per_batch` per measured batch (the batches themselves run as usual)."""
+    import time
+    from types import SimpleNamespace
+
+    clock = {"now": 0.0}
+    real = tune._measure_item
+
+    def slow(*args, **kwargs):
+        clock["now"] += seconds_per_batch
+        return real(*args, **kwargs)
+
+    fake = SimpleNamespace(monotonic=lambda: clock["now"], time=time.time, perf_counter=time.perf_counter)
+    monkeypatch.setattr(tune, "time", fake)
+    monkeypatch.setattr(tune, "_measure_item", slow)
+
+
+def test_a_quick_run_too_slow_to_fit_keeps_the_prior_and_succeeds(tmp_path, monkeypatch, capsys):
+    """25 s a batch: the minute's budget holds one batch; measuring goes on past it while the fit lacks
+    measurements, up to twice the budget, then the runtime keeps the analytic prior: exit 0, one line why."""
+    _slow_machine(monkeypatch, 25.0)
+    assert _run_tune(tmp_path, "--quick") == 0
+    err = capsys.readouterr().err
+    assert "measuring on, for at most 120 s" in err
+    assert "kept the analytic prior: 8 usable measurements, fewer than the 20 a fit needs" in err
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        assert len(db.measurements()) == 8  # 4 batches: at 0, 25, 50 and 75 s; the fifth would end past 120 s
+        assert db.latest_model(device_key("cpu").key) is None
+
+
+def test_a_quick_run_on_a_slow_machine_measures_until_it_can_fit(tmp_path, monkeypatch, capsys):
+    """8 s a batch: the budget holds 6 batches (12 measurements); 4 more come past it, and the fit runs."""
+    _slow_machine(monkeypatch, 8.0)
+    assert _run_tune(tmp_path, "--quick") == 0
+    assert "kept the analytic prior" not in capsys.readouterr().err
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        assert len(db.measurements()) == _model.MIN_ROWS
+        assert db.latest_model(device_key("cpu").key) is not None
+
+
+def test_refit_with_too_few_measurements_is_an_error(tuned, tmp_path, capsys):
+    with TuningDB.open(tuned / "t.sqlite") as db:
+        few = db.measurements()[:6]
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        db.register_device(device_key("cpu"))
+        db.add_measurements(few)
+    assert _run_tune(tmp_path, "--refit") == 1
+    assert "only 6 usable measurements" in capsys.readouterr().err
