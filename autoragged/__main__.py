@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import autoragged
+
     from .kernels._triton import HAS_TRITON
 
     cuda = torch.cuda.is_available()
