@@ -16,6 +16,7 @@ from .tuning_db.records import BatchStats, ModuleSignature
 
 __all__ = [
     "build_encoder",
+    "build_hf",
     "make_batch",
     "Timing",
     "time_ms",
@@ -38,6 +39,18 @@ def build_encoder(sig: ModuleSignature, device: torch.device, seed: int = 0) -> 
     norm = nn.LayerNorm(sig.d_model, bias=sig.bias) if sig.final_norm else None
     enc = nn.TransformerEncoder(layer, sig.layers, norm=norm, enable_nested_tensor=sig.nested)
     return enc.to(device=device, dtype=_DTYPES[sig.dtype]).eval()
+
+
+def build_hf(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """An eval-mode HF base model of one of `workloads.HF_SHAPES` (or a config.json path), random weights."""
+    import transformers
+
+    from .workloads import hf_config
+
+    torch.manual_seed(seed)
+    config = hf_config(name)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModel.from_config(config).to(device=device, dtype=dtype).eval()
 
 
 def make_batch(lengths: Sequence[int], d_model: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -147,7 +160,8 @@ def time_close_calls(fns: Sequence[Callable[[], object]], device: torch.device, 
 
 class ArmRunner:
     """Runs any arm on a wrapped model through the runtime's execute path (what the runtime runs): a torch
-    encoder (`run`: padded x and its key padding mask) or an HF encoder (`run_call` of `hf_call(kwargs)`)."""
+    encoder (`run`: padded x and its key padding mask) or an HF encoder (`run_call` of `hf_call(kwargs)`);
+    `batch_runner` makes a random batch of either kind."""
 
     def __init__(self, model: nn.Module):
         from ._dispatch import wrap
@@ -156,6 +170,35 @@ class ArmRunner:
         self.module = next(m for m in self.encoder.modules() if hasattr(m, "_autoragged"))
         self.runtime = self.module._autoragged
         self.runtime.graph_min_seen = 1  # measuring a graph arm means capturing it at once
+        self.sig = self.runtime.sig
+        self.hf = not isinstance(self.module, (nn.TransformerEncoder, nn.TransformerEncoderLayer))
+
+    def arms(self, arms: Sequence[Arm]) -> list[Arm]:
+        """The arms of `arms` this model's body can run (no padded graph for HF models, whose sdpa mask code
+        synchronises; Triton-linear graphs only where the layers run as fused specs)."""
+        body = self.runtime.body
+        return [
+            a for a in arms
+            if not (a.kind == "padded_graph" and body.padded_forward is None)
+            and not (a.graph and a.ragged and a.config.backend == "triton" and not body.fused)
+        ]  # fmt: skip
+
+    def batch_runner(self, lengths: tuple[int, ...], stats: BatchStats, seed: int = 0) -> Callable[[Arm], object]:
+        """A random right-padded batch of `lengths` for this model, and `run(arm)` on it."""
+        body = self.runtime.body
+        dtype = body.probe().dtype
+        if not self.hf:
+            x, mask = make_batch(lengths, body.d_model, dtype, body.probe().device, seed=seed)
+            return lambda arm: self.run(arm, x, mask, lengths, stats)
+        device = body.probe().device
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        L = max(lengths)
+        keep = torch.arange(L)[None, :] < torch.tensor(list(lengths))[:, None]
+        vocab = self.module.config.vocab_size
+        ids = torch.randint(min(5, vocab - 1), vocab, (len(lengths), L), generator=g)
+        kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
+                  "attention_mask": keep.long().to(device)}  # fmt: skip
+        return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
         from .adapters.torch_encoder import TorchCall

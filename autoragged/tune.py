@@ -54,6 +54,8 @@ SIGNATURES = {
     "bert-large": _Named("bert-large", 24, 1024, 16, 4096, "gelu", "float16"),
     "cpu-small": _Named("cpu-small", 2, 128, 4, 256, "relu", "float32"),
 }
+# HuggingFace models of the shapes in `workloads.HF_SHAPES` (random weights, sdpa), fp16 on GPU: "hf-bert-base" ...
+HF_PREFIX = "hf-"
 # optuna's search space for the ragged arm (compiles stay bounded: ~100 distinct kernels at most)
 SPACE = {
     "block_m": [32, 64, 128],
@@ -83,10 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a budget of one minute: one signature, fewer configs")  # fmt: skip
     p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
-    p.add_argument("--model", metavar="MODULE:FACTORY", help="calibrate for your own model: FACTORY() returns an "
-                   "nn.Module holding nn.TransformerEncoder(s); its device and dtype are used as they are")  # fmt: skip
-    p.add_argument("--signatures", nargs="+", choices=sorted(SIGNATURES), help="built-in encoders to calibrate "
-                   "(default: cora bert-base bert-large on GPU, cpu-small on CPU)")  # fmt: skip
+    p.add_argument("--model", metavar="SPEC", help="calibrate for your own model: MODULE:FACTORY (FACTORY() returns "
+                   "an nn.Module holding nn.TransformerEncoder(s) or an HF encoder; its device and dtype are used as "
+                   "they are), or an HF config: a config.json path or one of the built-in shapes "
+                   f"({', '.join(_hf_shapes())}), built with random weights (nothing is downloaded)")  # fmt: skip
+    p.add_argument("--signatures", nargs="+", choices=_signature_names(), help="built-in models to calibrate "
+                   "(default: cora bert-base hf-bert-base on GPU, cpu-small on CPU)")  # fmt: skip
     p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch plan (a rerun with it resumes)")
@@ -107,8 +111,23 @@ def _setup_logging(verbose: bool) -> None:
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def _user_encoders(spec: str):
-    """Encoders of the user's model: `package.module:factory`."""
+def _hf_shapes() -> list[str]:
+    from .workloads import HF_SHAPES
+
+    return sorted(HF_SHAPES)
+
+
+def _signature_names() -> list[str]:
+    return sorted(SIGNATURES) + [HF_PREFIX + n for n in _hf_shapes()]
+
+
+def _user_encoders(spec: str, device):
+    """The modules of the user's model to calibrate: `package.module:factory`, or an HF config (a built-in
+    shape name or a config.json path: random weights, fp16 on a GPU, fp32 on a CPU)."""
+    import os
+
+    if spec in _hf_shapes() or os.path.exists(spec):
+        return [_hf_model(spec, device)]
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"--model must look like package.module:factory, got {spec!r}")
@@ -123,10 +142,21 @@ def _user_encoders(spec: str):
         raise SystemExit(f"--model {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
     from ._dispatch import _targets
 
-    encoders = [m for _, m in _targets(model)[0] if isinstance(m, torch.nn.TransformerEncoder)]
+    encoders = [m for _, m in _targets(model)[0] if not isinstance(m, torch.nn.TransformerEncoderLayer)]
     if not encoders:
-        raise SystemExit(f"--model {spec}: no nn.TransformerEncoder in the model")
+        raise SystemExit(f"--model {spec}: no nn.TransformerEncoder or HF encoder in the model")
     return [e.eval() for e in encoders]
+
+
+def _hf_model(name: str, device):
+    import torch
+
+    from ._measure import build_hf
+
+    try:
+        return build_hf(name, device, torch.float16 if device.type == "cuda" else torch.float32)
+    except (ImportError, ValueError, OSError) as e:
+        raise SystemExit(f"--model {name}: {e}") from None
 
 
 def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
@@ -164,7 +194,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
 
     from ._buckets import LADDER_VERSION
     from ._costmodel import PADDED, PADDED_GRAPH, Arm
-    from ._measure import make_batch, time_close_calls
+    from ._measure import time_close_calls
     from ._planner import GRAPH_BACKENDS, default_ragged_config, graph_config
     from .kernels import ragged_attention as k_attn
     from .tuning_db import BatchStats, Measurement
@@ -173,14 +203,14 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     rng = np.random.default_rng(item_seed)
     lengths = tuple(sample(family, batch, max_len, rng))
     stats = BatchStats.from_lengths(lengths)
-    dtype = runner.encoder.layers[0].linear1.weight.dtype
-    x, mask = make_batch(lengths, sig.d_model, dtype, ctx.device, seed=item_seed)
+    run = runner.batch_runner(lengths, stats, seed=item_seed)
     head_dim = sig.d_model // sig.heads
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
     if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
         arms += [Arm("ragged_graph", graph_config(head_dim, stats.max_len, b)) for b in GRAPH_BACKENDS]
         arms.append(PADDED_GRAPH)
+        arms = runner.arms(arms)  # what this model's body can run (no padded graph for HF models)
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)
@@ -197,7 +227,7 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     # 1.5x the fastest after a screen of 3 calls keep those 3 (time_close_calls)
     on_gpu = ctx.device.type == "cuda"
     reps = (15 if stats.batch * stats.max_len <= 16384 else 7) if on_gpu else 3
-    fns = [lambda a=a: runner.run(a, x, mask, lengths, stats) for a in arms]
+    fns = [lambda a=a: run(a) for a in arms]
     timings = time_close_calls(
         fns, ctx.device, reps=reps, extra_reps=2 * reps if on_gpu else 0, screen_reps=3 if on_gpu else 0
     )
@@ -292,18 +322,20 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     from tqdm import tqdm
 
     from ._measure import ArmRunner, build_encoder
-    from .adapters.torch_encoder import signature_of
 
     on_gpu = device.type == "cuda"
     if args.model:
-        encoders = _user_encoders(args.model)
+        encoders = _user_encoders(args.model, device)
         names = [f"user{i}" for i in range(len(encoders))]
     else:
-        names = args.signatures or (["cora"] if args.quick else ["cora", "bert-base", "bert-large"])
+        names = args.signatures or (["cora"] if args.quick else ["cora", "bert-base", "hf-bert-base"])
         if not on_gpu:
             names = args.signatures or ["cpu-small"]
         encoders = []
         for name in names:
+            if name.startswith(HF_PREFIX):
+                encoders.append(_hf_model(name[len(HF_PREFIX) :], device))
+                continue
             n = SIGNATURES[name]
             from .tuning_db import ModuleSignature
 
@@ -312,7 +344,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
             )
             encoders.append(build_encoder(sig, device))
     runners = [ArmRunner(e.to(device)) for e in encoders]
-    sigs = [signature_of(r.encoder) for r in runners]
+    sigs = [r.sig for r in runners]
     trials = args.trials if args.trials is not None else ((1 if args.quick else 2) if on_gpu else 0)
     ctx = _Context(db, device, key)
     plan_name = f"v3|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"

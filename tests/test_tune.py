@@ -258,6 +258,25 @@ def test_user_model_factory(tmp_path, monkeypatch):
     assert sigs == {"encoder:1x64/2h/ff64:relu:post:float32:nested"}
 
 
+def test_an_hf_config_is_calibrated_and_its_wrapped_model_uses_the_fit(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from autoragged import _ragged, ops
+
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)  # the interpreter is too slow for a calibration
+    monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+    config = transformers.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128)  # fmt: skip
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    assert _run_tune(tmp_path, "--model", str(tmp_path / "config.json"), "--budget", "5", "--max-batches", "22") == 0
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        sigs = {m.signature for m in db.measurements()}
+    assert sigs == {"hf-bert:2x64/2h/ff128:gelu:post:float32"}
+    model = autoragged.wrap(transformers.BertModel(config).eval(), db=tmp_path / "t.sqlite")
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 200, (3, 9)), lengths=[9, 4, 1])
+    assert "learned" in autoragged.recent_decisions(model, 1)[0].reason
+
+
 @pytest.mark.parametrize(
     "spec, words", [("nope", "package.module:factory"), ("no_such_module_xyz:f", "cannot load it")]
 )

@@ -587,3 +587,66 @@ def test_a_structure_change_after_wrap_is_what_the_ragged_arm_runs(change):
     decisions = autoragged.recent_decisions(enc, 10)
     assert [d.arm for d in decisions] == ["ragged", "ragged"]  # the history kept, the new structure run ragged
     assert_within_torch_error(real_tokens(y, LENGTHS), real_tokens(want, LENGTHS), real_tokens(want64, LENGTHS), change)
+
+
+# -- bad input: a clear error or a correct result, never a silently wrong one ---------------------------
+@pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
+def test_lengths_with_a_left_padded_mask_are_an_error(policy):
+    enc = autoragged.wrap(make_encoder(), db=False, policy=policy)
+    x, _ = batch([6, 4, 4], 64, "cpu")
+    L = x.shape[1]
+    left = torch.arange(L)[None, :] < (L - torch.tensor([6, 4, 4]))[:, None]  # real tokens at the end
+    with torch.no_grad(), pytest.raises(ValueError, match="row 0 is not right-padded"):
+        enc(x, src_key_padding_mask=left, lengths=[6, 4, 4])
+    with torch.no_grad():  # the mask alone: any padding is fine (the padded arm, with the reason)
+        y = enc(x, src_key_padding_mask=left)
+        want = nn.TransformerEncoder.forward(enc, x, src_key_padding_mask=left)
+    torch.testing.assert_close(y[~left], want[~left], rtol=1e-4, atol=1e-5)
+
+
+def test_a_ragged_input_without_a_feature_dimension_is_an_error():
+    enc = autoragged.wrap(make_encoder(), db=False, policy="ragged")
+    for bad in (RaggedTensor.from_list([torch.randn(5), torch.randn(3)]),
+                autoragged.strip_padding(torch.randn(2, 6), torch.ones(2, 6, dtype=torch.bool))):  # fmt: skip
+        with torch.no_grad(), pytest.raises(ValueError, match=r"must have values \(T, 64\)"):
+            enc(bad)
+
+
+def test_lengths_with_an_unbatched_input_are_an_error():
+    enc = autoragged.wrap(make_encoder(), db=False, policy="ragged")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"lengths= needs a batched \(B, L, D\) input"):
+        enc(torch.randn(7, 64), lengths=[5])
+    x = torch.randn(7, 64)
+    with torch.no_grad():  # without lengths, PyTorch's own unbatched forward runs, recorded as such
+        torch.testing.assert_close(enc(x), nn.TransformerEncoder.forward(enc, x))
+    assert "not a batched" in autoragged.recent_decisions(enc, 1)[0].reason
+
+
+@pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
+def test_a_batch_of_only_empty_sequences_is_a_clear_error_on_every_arm(policy):
+    enc = autoragged.wrap(make_encoder(), db=False, policy=policy)
+    x = torch.randn(3, 8, 64)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="every sequence of this batch of 3 is empty"):
+            enc(x, src_key_padding_mask=torch.ones(3, 8, dtype=torch.bool))
+        with pytest.raises(ValueError, match="every sequence of this batch of 3 is empty"):
+            enc(x, lengths=[0, 0, 0])
+
+
+def test_subclasses_and_float_hf_masks_are_warned_about(caplog):
+    class MyEncoder(nn.TransformerEncoder):
+        pass
+
+    layer = nn.TransformerEncoderLayer(64, 2, 96, batch_first=True)
+    model = nn.Sequential(MyEncoder(layer, 2, enable_nested_tensor=False)).eval()
+    with caplog.at_level("WARNING", logger="autoragged"):
+        autoragged.wrap(model, db=False)
+    assert "MyEncoder, a subclass of nn.TransformerEncoder" in caplog.text
+    enc = autoragged.wrap(make_encoder(), db=False)
+    x, mask = batch([6, 4], 64, "cpu")
+    hf_style = (~mask).float()  # 1.0 = keep: PyTorch adds it to the scores, it pads nothing
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autoragged"), torch.no_grad():
+        enc(x, src_key_padding_mask=hf_style)
+        enc(x, src_key_padding_mask=hf_style)
+    assert caplog.text.count("values other than 0 and -inf") == 1

@@ -99,6 +99,10 @@ class Call:
     wants_hidden = False
     requires_grad = False
 
+    def no_tokens(self) -> str:
+        """A batch whose every sequence is empty: raise a clear error, or return the reason it runs padded."""
+        return "no real tokens in the batch"
+
     def prefetch(self) -> None:
         """Queue device work the ragged arms will need, before the host blocks on reading the mask's lengths
         (so the GPU has it while the host waits); a no-op unless the family has such work."""

@@ -152,6 +152,9 @@ class TorchCall(Call):
         self.passthrough = self.reason = None
         self.causal = bool(is_causal) and attn_mask is not None
         if not ragged_in and not (isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 3):
+            if lengths is not None:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) and not x.is_nested else type(x).__name__
+                raise ValueError(f"lengths= needs a batched (B, L, D) input (or (L, B, D)), got {shape}")
             self.passthrough = "input is not a batched (B, L, D) tensor"
             self.B = self.L = 0
             return
@@ -160,6 +163,11 @@ class TorchCall(Call):
             self.B, self.L = src.batch_size, src.max_len
         else:
             self.B, self.L = (x.shape[0], x.shape[1]) if body.batch_first else (x.shape[1], x.shape[0])
+        if ragged_in and tuple(src.feature_shape) != (body.d_model,):
+            raise ValueError(
+                f"a RaggedTensor input to this encoder must have values (T, {body.d_model}), got values of shape "
+                f"{tuple(src.values.shape)} (a RaggedTensor of token ids or of (B, L) rows has no feature dimension)"
+            )
         if attn_mask is not None and not is_causal:
             self.reason = "attn_mask other than key padding (pass is_causal=True with a causal mask)"
         elif is_causal and attn_mask is None:
@@ -169,6 +177,12 @@ class TorchCall(Call):
 
     def original(self, module):
         return self.body.base.forward(module, self.src, self.attn_mask, self.kpm, self.is_causal)
+
+    def no_tokens(self) -> str:
+        raise ValueError(
+            f"every sequence of this batch of {self.B} is empty (all lengths 0, or the mask pads every position): "
+            "PyTorch's encoder cannot run it (its nested-tensor path raises); leave empty batches out"
+        )
 
     def padded(self, module, lens, stats):
         body, ragged_in, L = self.body, self.ragged_in, self.L

@@ -235,6 +235,8 @@ class Runtime:
         if stats.max_len > L:
             i = lens.index(stats.max_len)
             raise ValueError(f"lengths[{i}] = {lens[i]} exceeds the padded length {L}")
+        if stats.total == 0 and L > 0 and B > 0:
+            reason = call.no_tokens()  # raises where the family's own forward would fail on it
         plan = self._plan(call.device, stats, reason)
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
