@@ -73,7 +73,10 @@ class Recorder:
         return db
 
     def flush(self) -> int:
-        """Write everything queued so far (one transaction per table and path); returns the rows written."""
+        """Write everything queued so far (one transaction per table and path); returns the rows written.
+
+        A record that cannot be stored (a NaN where a number must be, a value JSON cannot hold) is left out and
+        counted in one warning per flush; every other record of the flush is written."""
         written = 0
         with self._flush_lock:
             for path, q in list(self._queues.items()):
@@ -82,20 +85,42 @@ class Recorder:
                     items.append(q.popleft())
                 if not items or path in self._broken:
                     continue
-                devices = {d.key: d for d, _, _ in items}
-                decisions = [x if isinstance(x, Decision) else x.decision() for _, x, _ in items if x is not None]
-                measurements = [m for _, _, m in items if m is not None]
-                try:
-                    db = self.open_db(path)
-                    for device in devices.values():
-                        db.register_device(device)
-                    written += db.add_decisions(decisions) if decisions else 0
-                    written += db.add_measurements(measurements) if measurements else 0
-                except DatabaseError as e:
-                    self._broken.add(path)
-                    self._queues.pop(path, None)
-                    log.warning("autoragged: not recording decisions any more: %s", e)
+                written += self._write(path, items)
         return written
+
+    def _write(self, path: Path, items: list) -> int:
+        devices = {d.key: d for d, _, _ in items}
+        decisions, bad = _decisions(items)
+        measurements = [m for _, _, m in items if m is not None]
+        written = 0
+        try:
+            db = self.open_db(path)
+            for device in devices.values():
+                db.register_device(device)
+            written += db.add_decisions(decisions, skipped=bad) if decisions else 0
+            written += db.add_measurements(measurements, skipped=bad) if measurements else 0
+        except DatabaseError as e:
+            self._broken.add(path)
+            self._queues.pop(path, None)
+            log.warning("autoragged: not recording decisions any more: %s", e)
+        if bad:
+            total = sum(x is not None for _, x, _ in items) + len(measurements)
+            log.warning("autoragged: left %d of %d records out of %s: they cannot be stored (%s)",
+                        len(bad), total, path, bad[0][1])  # fmt: skip
+        return written
+
+
+def _decisions(items: list) -> tuple[list[Decision], list[tuple[object, str]]]:
+    """The queued decisions as `Decision`s, and (record, why) for those that could not be made into one."""
+    decisions, bad = [], []
+    for _, x, _ in items:
+        if x is None:
+            continue
+        try:
+            decisions.append(x if isinstance(x, Decision) else x.decision())
+        except Exception as e:  # noqa: BLE001 - one record must not cost the others theirs
+            bad.append((x, f"{type(e).__name__}: {e}"))
+    return decisions, bad
 
 
 RECORDER = Recorder()

@@ -28,6 +28,8 @@ from autoragged.tuning_db import (
     Measurement,
     ModelRecord,
     ModuleSignature,
+    RowError,
+    Skipped,
     TuningDB,
     config_key,
     default_path,
@@ -278,6 +280,82 @@ def test_json_columns_refuse_what_json_cannot_hold_and_write_nothing(db):
     with pytest.raises(TypeError, match="never pickle"):
         db.add_measurements([measurement(0, extra={"array": {1, 2}})])
     assert db.counts()["decisions"] == db.counts()["measurements"] == 0
+
+
+def _damage(path: Path, table: str, row_id: int, **columns) -> None:
+    """Set columns of one row to raw SQL values (text where a number belongs, broken JSON, ...)."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            sets = ", ".join(f"{c} = {v}" for c, v in columns.items())
+            conn.execute(f"UPDATE {table} SET {sets} WHERE {'key' if table == 'devices' else 'id'} = ?", [row_id])
+    finally:
+        conn.close()
+
+
+DAMAGED_DECISIONS = {  # row id -> (columns set to raw SQL, the problem a reader reports)
+    2: ({"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
+    3: ({"predicted_ms": "'{\"padded\": \"fast\"}'"}, "predicted_ms holds a value that is not a finite number"),
+    4: ({"batch": "'many'"}, "batch is not a non-negative integer"),
+    5: ({"time": "'yesterday'"}, "time is not a finite number"),
+    6: ({"config": "'[1, 2]'"}, "config is not a JSON object"),
+    7: ({"measured_ms": "'slow'"}, "measured_ms is not a finite number"),
+    8: ({"predicted_ms": "'" + "[" * 100_000 + "]" * 100_000 + "'"}, "predicted_ms JSON is nested too deeply"),
+    9: ({"predicted_ms": "'{\"padded\": NaN}'"}, "unreadable predicted_ms JSON"),
+    10: ({"device": "zeroblob(2)"}, "device is not text"),  # a 42 would be stored as the text '42'
+    11: ({"batch": "4"}, None),  # not damaged: read back as it is
+}
+
+
+def test_damaged_rows_raise_a_row_error_or_are_skipped_and_counted(db):
+    db.add_decisions([decision(i) for i in range(12)])
+    for row_id, (columns, _) in DAMAGED_DECISIONS.items():
+        _damage(db.path, "decisions", row_id, **columns)
+    _damage(db.path, "decisions", 12, reason="CAST(X'C3FF' AS TEXT)")  # invalid UTF-8: read, not fatal
+    with pytest.raises(RowError, match=rf"decisions row 2 of the tuning database {db.path}: unreadable predicted_ms"):
+        db.decisions()
+    skipped = Skipped()
+    kept = db.decisions(skipped=skipped)
+    assert [d.time for d in kept] == [1000.0, 1010.0, 1011.0] and kept[1].reason == "cost model"
+    assert kept[2].stats.batch == 4 and kept[-1].reason != "cost model"  # row 12: replacement characters
+    assert skipped.count("decisions") == 9 and skipped.seen["decisions"] == 12
+    (line,) = skipped.lines()
+    assert line.startswith("skipped 9 of 12 decisions rows: unreadable predicted_ms JSON (ids 2, 9); ")
+    for row_id, (_, problem) in DAMAGED_DECISIONS.items():
+        if problem and row_id not in (2, 9):
+            assert f"{problem} (id {row_id})" in line
+
+
+def test_damaged_measurements_models_and_devices_are_skipped(db):
+    db.register_device(H100)
+    db.register_device(CPU)
+    db.add_measurements([measurement(i) for i in range(4)])
+    for i in range(3):
+        db.save_model(device=H100, feature_version=1, kind="k", payload={"v": i}, metrics={"mape": 0.1})
+    _damage(db.path, "measurements", 1, extra="'nope'")
+    _damage(db.path, "measurements", 2, median_ms="'x'")
+    _damage(db.path, "models", 1, metrics="'['")
+    _damage(db.path, "models", 2, created="'today'")
+    _damage(db.path, "devices", CPU.key, sm_count="'lots'")
+    skipped = Skipped()
+    assert [m.time for m in db.measurements(skipped=skipped)] == [1002.0, 1003.0]
+    assert [m.payload for m in db.models(skipped=skipped)] == [{"v": 2}]
+    assert [(m.id, m.payload) for m in db.models(payload=False, skipped=Skipped())] == [(3, None)]
+    assert db.devices(skipped=skipped) == [H100]
+    assert skipped.lines() == [
+        "skipped 2 of 4 measurements rows: unreadable extra JSON (id 1); median_ms is not a finite number (id 2)",
+        "skipped 2 of 3 models rows: unreadable metrics JSON (id 1); created is not a finite number (id 2)",
+        f"skipped 1 of 2 devices rows: sm_count is not a non-negative integer (id {CPU.key})",
+    ]
+    with pytest.raises(RowError, match="models row 2 .*created is not a finite number.*--refit"):
+        db.latest_model(H100, feature_version=1)  # the newest row is damaged: an error, never an older model
+
+
+def test_latest_model_refuses_a_payload_over_the_cap_before_reading_it(db):
+    db.save_model(device=H100, feature_version=1, kind="k", payload={"pad": "x" * 5000}, metrics={})
+    assert db.latest_model(H100, max_payload_bytes=10_000).payload == {"pad": "x" * 5000}
+    with pytest.raises(RowError, match=r"models row 1 .*payload is 5,010 bytes, over the 1,000 read at most"):
+        db.latest_model(H100, max_payload_bytes=1000)
 
 
 # ---------------------------------------------------------------------------------------------- filters
