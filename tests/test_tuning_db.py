@@ -710,7 +710,7 @@ def test_optuna_shares_the_file(tmp_path):
     with TuningDB.open(path) as db:
         db.register_device(H100)
         db.add_decisions([decision(i) for i in range(5)])
-        assert db.optuna_storage_url() == f"sqlite:///{path}"
+        assert db.optuna_storage_url() == f"sqlite:///{path}"  # nothing to escape in this path
         study = optuna.create_study(storage=db.optuna_storage_url(), study_name="x")
         study.optimize(lambda trial: trial.suggest_float("block", 0.0, 1.0) ** 2, n_trials=3)
         db.add_decisions([decision(5)])  # our writes still work while optuna holds its engine
@@ -721,6 +721,28 @@ def test_optuna_shares_the_file(tmp_path):
         assert db.counts()["decisions"] == 6 and db.devices() == [H100]
         assert db.decisions() == [decision(i) for i in range(6)]
         assert len(optuna.load_study(study_name="x", storage=db.optuna_storage_url()).trials) == 3
+
+
+def test_optuna_shares_a_file_whose_path_needs_escaping(tmp_path):
+    """`?` starts a URL's query, `#` its fragment, `%` an escape, and optuna runs the URL through str.format:
+    unescaped, optuna's tables went to another file (or failed) while ours stayed here."""
+    optuna = _optuna()
+    from autoragged import tune
+
+    folder = tmp_path / "odd ?#% {dir}"
+    path = folder / "t?u#n%41e {0}.sqlite"
+    with TuningDB.open(path) as db:
+        url = db.optuna_storage_url()
+        optuna.create_study(storage=url, study_name="by url").optimize(lambda t: t.suggest_int("a", 0, 3), 2)
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=db.optuna_engine_kwargs())
+        optuna.create_study(storage=storage, study_name="by path").optimize(lambda t: t.suggest_int("a", 0, 3), 2)
+        study = tune._Context(db, None, CPU).study(ENC, 100)  # what python -m autoragged.tune opens
+        study.optimize(lambda t: t.suggest_int("a", 0, 3), 1)
+    written = [p for p in tmp_path.rglob("*") if p != folder]
+    assert written and all(str(p) in (str(path), f"{path}-wal", f"{path}-shm") for p in written)  # nowhere else
+    names = [n for (n,) in query(path, "SELECT study_name FROM studies ORDER BY study_id")]
+    assert names == ["by url", "by path", study.study_name]
+    assert query(path, "SELECT count(*) FROM trials") == [(5,)] and OUR_TABLES <= tables(path)
 
 
 def test_tuning_db_opens_a_file_optuna_created_first(tmp_path):

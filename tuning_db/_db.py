@@ -14,6 +14,7 @@ own `json_extract` must be able to read it in reports. What is read back is chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ import random
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -242,6 +244,10 @@ def _decode_text(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
+def _connect_optuna(path: str) -> sqlite3.Connection:
+    return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """A connection with explicit transactions, usable from any thread, in WAL mode."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
@@ -426,8 +432,16 @@ class TuningDB:
             return len(applied_migrations(db))
 
     def optuna_storage_url(self) -> str:
-        """The SQLAlchemy URL for optuna's study tables in this same file: `sqlite:///` + absolute path."""
-        return f"sqlite:///{self.path}"
+        """The SQLAlchemy URL of this same file, for optuna's study tables: `sqlite:///` + the absolute path,
+        percent-encoded. A path may hold `?` (a URL's query), `#`, `%`, spaces or braces (optuna runs the URL
+        through str.format); SQLAlchemy 2 decodes the database part of a URL, so the file is this one. Pass
+        `optuna_engine_kwargs()` beside it and the connection does not depend on the URL at all."""
+        return "sqlite:///" + urllib.parse.quote(str(self.path), safe="/")
+
+    def optuna_engine_kwargs(self) -> dict[str, Any]:
+        """Engine arguments for optuna's `RDBStorage(url, engine_kwargs=...)` that connect to this file by its
+        path (a `creator`), whatever SQLAlchemy version reads the URL."""
+        return {"creator": functools.partial(_connect_optuna, str(self.path))}
 
     def counts(self) -> dict[str, int]:
         """Rows per table of this package (not optuna's), for reports and tests."""
