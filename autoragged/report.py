@@ -17,6 +17,10 @@ Cost: the decisions and measurements in the window are read into Python in full,
 scan: 10^5 decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows; 10^6 is
 acceptable for now, at ~20 s and ~1.6 GB; SQL aggregates would be the next step). `--since` and `--device`
 narrow the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
+
+A damaged or hostile row (unreadable JSON, wrong types, NULLs, an arm this autoragged does not know) is left
+out, and the report says so in one line per table ("skipped 3 of 120 decisions rows: unreadable predicted_ms
+JSON (ids 4, 9, 12)"); only a file that is no tuning database at all is refused, by name.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from .kernels._config import KernelConfig
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
+from .tuning_db import (
+    DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, Skipped, TuningDB, config_key, default_path,
+)  # fmt: skip
 
-from ._costmodel import FEATURE_VERSION
+from ._costmodel import FEATURE_VERSION, KINDS
 from ._planner import bucket_key
 
 __all__ = [
@@ -217,7 +223,9 @@ class Summary:
     time; applies to decisions and measurements, not to the calibration shown, which is the newest);
     device: the device key the report is limited to (None = all); counts: rows per table in the whole
     file, unfiltered; decisions: decisions in the window; devices: those with decisions, measurements or
-    a cost model, registered ones first.
+    a cost model, registered ones first; skipped: one line per table of the rows left out because they
+    could not be read (damaged or hostile), e.g. "skipped 3 of 120 decisions rows: unreadable predicted_ms
+    JSON (ids 4, 9, 12)".
     """
 
     path: str
@@ -227,6 +235,7 @@ class Summary:
     counts: dict[str, int]
     decisions: int
     devices: list[DeviceSummary] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -321,11 +330,11 @@ def _matches(query: str, keys: Sequence[str]) -> list[str]:
 
 def _resolve_device(db: TuningDB, query: str, since: float | None) -> str:
     """The one device key equal to `query`, or containing it (case-insensitive); ValueError otherwise."""
-    keys = list(dict.fromkeys([d.key for d in db.devices()] + [m.device for m in db.models()]))
+    registered = db.devices(skipped=Skipped()) + db.models(payload=False, skipped=Skipped())
+    keys = list(dict.fromkeys(getattr(r, "key", None) or r.device for r in registered))
     hits = _matches(query, keys)
     if not hits:  # rows written by hand need not have a registered device: look at the rows themselves
-        seen = {d.device for d in db.decisions(since=since)} | {m.device for m in db.measurements(since=since)}
-        keys += sorted(seen - set(keys))
+        keys += [k for k in db.device_keys(since=since) if k not in keys]
         hits = _matches(query, keys)
     if len(hits) == 1:
         return hits[0]
@@ -351,6 +360,12 @@ class _Records:
     models: list[ModelRecord]
     decisions: list[Decision]
     measurements: list[Measurement]
+    skipped: Skipped = field(default_factory=Skipped)
+
+
+def _known_arm(record: Decision | Measurement) -> str | None:
+    """The problem with a row whose arm this autoragged does not know (a reader's `check`), or None."""
+    return None if record.arm in KINDS else "unknown arm kind"
 
 
 def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
@@ -359,16 +374,18 @@ def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
     key = None
     if device is not None:
         key = device.key if isinstance(device, DeviceKey) else _resolve_device(db, device, since_s)
+    skipped = Skipped()  # damaged rows are left out and counted: the report shows everything else
     return _Records(
         path=db.path,
         generated=time.time(),
         since=since_s,
         device=key,
         counts=db.counts(),
-        registered=db.devices(),
-        models=db.models(key),
-        decisions=db.decisions(device=key, since=since_s),
-        measurements=db.measurements(device=key, since=since_s),
+        registered=db.devices(skipped=skipped),
+        models=db.models(key, payload=False, skipped=skipped),
+        decisions=db.decisions(device=key, since=since_s, skipped=skipped, check=_known_arm),
+        measurements=db.measurements(device=key, since=since_s, skipped=skipped, check=_known_arm),
+        skipped=skipped,
     )
 
 
@@ -474,9 +491,15 @@ def _module(device: str, signature: str, decisions: list[Decision]) -> ModuleSum
     )
 
 
-def _metric(metrics: dict[str, Any], name: str) -> Any:
+def _metric(metrics: dict[str, Any], name: str, kind: type = float) -> Any:
+    """metrics[name] when it is a finite number (kind float), an int (kind int) or a str (kind str), else None:
+    the metrics of a model written by another version, or by hand, may hold anything."""
     value = metrics.get(name)
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+    if isinstance(value, bool):
+        return None
+    if kind is float:
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return value if isinstance(value, kind) else None
 
 
 def _calibration(model: ModelRecord) -> Calibration:
@@ -492,10 +515,17 @@ def _calibration(model: ModelRecord) -> Calibration:
         mean_regret=_metric(m, "mean_regret"),
         p95_regret=_metric(m, "p95_regret"),
         mape=_metric(m, "mape"),
-        holdout=_metric(m, "holdout"),
-        rows=_metric(m, "rows"),
+        holdout=_metric(m, "holdout", str),
+        rows=_metric(m, "rows", int),
         metrics=m,
     )
+
+
+def _calibrated_by(models: list[ModelRecord]) -> ModelRecord | None:
+    """The model the runtime reads: the newest of this autoragged's feature version; else the newest of all
+    (shown as ignored)."""
+    current = [m for m in models if m.feature_version == FEATURE_VERSION]
+    return max(current or models, key=lambda m: (m.created, m.id)) if models else None
 
 
 def _device_order(rec: _Records) -> list[str]:
@@ -519,7 +549,7 @@ def _summarize(rec: _Records) -> Summary:
     for key in _device_order(rec):
         modules = [_module(key, sig, ds) for sig, ds in decisions[key].items()]
         modules.sort(key=lambda m: (-m.batches, m.signature))
-        newest = max(models[key], key=lambda m: (m.created, m.id)) if models[key] else None
+        newest = _calibrated_by(models[key])
         devices.append(
             DeviceSummary(
                 key=key,
@@ -540,6 +570,7 @@ def _summarize(rec: _Records) -> Summary:
         counts=rec.counts,
         decisions=len(rec.decisions),
         devices=devices,
+        skipped=rec.skipped.lines(),
     )
 
 
@@ -594,6 +625,7 @@ def _header_blocks(s: Summary) -> list[tuple]:
         ("p", "Time saved is a cost-model ESTIMATE (predicted latencies), not a measurement. MAPE and regret "
               "are measured, on the sampled batches only."),
     ]  # fmt: skip
+    blocks += [("p", f"{line[0].upper()}{line[1:]}.") for line in s.skipped]  # damaged rows, left out
     if not s.devices:
         blocks.append(("p", f"No decisions, measurements or cost models match ({window}; {scope})."))
     return blocks
@@ -1000,11 +1032,21 @@ def main(argv: list[str] | None = None) -> int:
     except (DatabaseError, ValueError) as e:
         log.error("%s", e)
         return 2
-    s = _summarize(rec)
+    except Exception as e:  # noqa: BLE001 - whatever the file holds: name it, no traceback
+        log.error("cannot read %s: %s: %s (python -m autoragged.report -v shows where)", args.db or default_path(),
+                  type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+        return 2
+    try:
+        s = _summarize(rec)
+        text = render_text(s)
+    except Exception as e:  # noqa: BLE001 - a row no check foresaw: say which file, not a traceback
+        log.error("cannot report on %s: %s: %s (python -m autoragged.report -v shows where)", rec.path,
+                  type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+        return 2
     if s.empty:
         print(EMPTY_MESSAGE.format(path=s.path))
         return 0
-    print(render_text(s), end="")
+    print(text, end="")
     if args.html:
         try:
             out = _write_html(rec, s, args.html)

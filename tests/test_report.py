@@ -5,6 +5,7 @@ terminal tables, the HTML page, and the error paths (missing, empty, corrupt fil
 import base64
 import datetime as dt
 import re
+import sqlite3
 import statistics
 import sys
 import time
@@ -387,3 +388,111 @@ def test_help_has_an_example(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "examples:" in out and "python -m autoragged.report --since 2h --device H100" in out
+
+
+# ------------------------------------------------------------------------------------------ damaged rows
+
+
+def _copy(path, tmp_path):
+    """A copy of a database (WAL included) that a test may damage."""
+    out = tmp_path / "copy.sqlite"
+    src, dst = sqlite3.connect(path), sqlite3.connect(out)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return out
+
+
+def _loosen(conn, table):
+    """The table without its NOT NULL constraints: a hostile file need not keep our schema's."""
+    columns = conn.execute(f"PRAGMA table_info({table})").fetchall()  # cid, name, type, notnull, default, pk
+    spec = ", ".join(f"[{c[1]}] {c[2]}" + (" PRIMARY KEY" if c[5] == 1 and table != "devices" else "") for c in columns)
+    conn.execute(f"ALTER TABLE {table} RENAME TO old_{table}")
+    conn.execute(f"CREATE TABLE {table} ({spec})")
+    conn.execute(f"INSERT INTO {table} SELECT * FROM old_{table}")
+    conn.execute(f"DROP TABLE old_{table}")
+
+
+# (table, row, raw SQL values, the problem the report names); decisions 1-23 are the CPU run's, measurements and
+# models the H100's (model 1 is of the previous feature version, 2 the calibration)
+DAMAGE = [
+    ("decisions", 1, {"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
+    ("decisions", 2, {"predicted_ms": "'[1, 2]'"}, "predicted_ms is not a JSON object"),
+    ("decisions", 3, {"predicted_ms": "'{\"padded\": \"1\"}'"}, "predicted_ms holds a value that is not a finite"),
+    ("decisions", 4, {"config": "'{\"block_m\": '"}, "unreadable config JSON"),
+    ("decisions", 5, {"batch": "'four'"}, "batch is not a non-negative integer"),
+    ("decisions", 6, {"arm": "'banana'"}, "unknown arm kind"),
+    ("decisions", 7, {"time": "NULL"}, "time is not a finite number"),
+    ("decisions", 8, {"reason": "NULL"}, "reason is NULL"),
+    ("decisions", 9, {"measured_ms": "'fast'"}, "measured_ms is not a finite number"),
+    ("decisions", 10, {"mean": "'wide'", "std": "NULL"}, "mean is not a finite number"),
+    ("decisions", 11, {"predicted_ms": "'" + "[" * 50_000 + "]" * 50_000 + "'"}, "predicted_ms JSON is nested too"),
+    ("decisions", 12, {"config": "'{\"block_m\": [1]}'"}, None),  # readable: labelled by the config's hash
+    ("measurements", 1, {"extra": "'{'"}, "unreadable extra JSON"),
+    ("measurements", 2, {"median_ms": "NULL"}, "median_ms is not a finite number"),
+    ("measurements", 3, {"arm": "'banana'"}, "unknown arm kind"),
+    ("measurements", 4, {"reps": "-3"}, "reps is not a non-negative integer"),
+    ("models", 1, {"metrics": "'[1]'", "payload": "'not JSON at all'"}, "metrics is not a JSON object"),
+    ("devices", H100.key, {"sm_count": "'many'"}, "sm_count is not a non-negative integer"),
+]
+
+
+def test_damaged_rows_are_skipped_and_counted_per_table(filled, tmp_path, capsys):
+    path, cpu, _ = filled
+    path = _copy(path, tmp_path)
+    conn = sqlite3.connect(path)
+    with conn:
+        for table in ("decisions", "measurements"):
+            _loosen(conn, table)
+        for table, row, values, _ in DAMAGE:
+            sets = ", ".join(f"{c} = {v}" for c, v in values.items())
+            conn.execute(f"UPDATE {table} SET {sets} WHERE {'key' if table == 'devices' else 'id'} = ?", [row])
+        # a model of another feature version, newer than the calibration, whose payload is not JSON: ignored
+        conn.execute("INSERT INTO models (device, signature, feature_version, kind, payload, metrics, created) "
+                     "VALUES (?, '*', ?, 'gbt-arrays', '[[[', '{\"accuracy\": \"high\", \"rows\": 1.5}', ?)",
+                     [H100.key, FEATURE_VERSION + 1, time.time()])  # fmt: skip
+    conn.close()
+    assert report.main(["--db", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("Skipped")]
+    assert [line.split(":")[0] for line in lines] == [
+        "Skipped 1 of 2 devices rows", "Skipped 1 of 3 models rows", "Skipped 11 of 31 decisions rows",
+        "Skipped 4 of 8 measurements rows",
+    ]  # fmt: skip
+    text = "\n".join(lines)
+    for table, row, _, problem in DAMAGE:
+        if problem is not None and table != "decisions" or row in (5, 6, 7, 8, 9, 10):
+            assert f"{problem} ({'key' if table == 'devices' else 'id'} {row})" in text, (problem, row)
+    assert "unreadable predicted_ms JSON (id 1)" in text and "predicted_ms is not a JSON object (id 2)" in text
+    s = report.summary(path)
+    dev = next(d for d in s.devices if d.key == cpu)
+    assert dev.decisions == REAL_FORWARDS - 11 and sum(sh.batches for sh in dev.modules[0].configs) == dev.decisions
+    h100 = next(d for d in s.devices if d.key == H100.key)
+    assert h100.name is None and h100.measurements == 4 and h100.models == 2  # the device row is unreadable
+    assert h100.calibration.model_id == 2 and h100.calibration.accuracy == 0.9  # the runtime's model, not id 3
+    assert _module(s, H100.key, CORA).batches == 7  # the hand-made numbers are untouched
+    assert s.skipped == [line[0].lower() + line[1:-1] for line in lines]
+
+
+def test_a_calibration_with_odd_metrics_is_shown_without_them(tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:
+        metrics = {"accuracy": "high", "mean_regret": True, "rows": 1.5, "holdout": 3, "mape": 1e308 * 10}
+        db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={},
+                      metrics={k: v for k, v in metrics.items() if k != "mape"})  # fmt: skip
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| decision accuracy \(held out\) +\| - +\|", out) and "| fit rows" in out
+    c = report.summary(path).devices[0].calibration
+    assert (c.accuracy, c.mean_regret, c.rows, c.holdout) == (None, None, None, None)
+
+
+def test_a_sqlite_file_that_is_no_tuning_database_is_refused_by_name(tmp_path, capsys):
+    path = tmp_path / "other.sqlite"
+    sqlite3.connect(path).execute("CREATE TABLE decisions (x)").connection.close()
+    assert report.main(["--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is not a tuning database" in err and "Traceback" not in err

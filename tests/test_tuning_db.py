@@ -345,7 +345,7 @@ def test_damaged_measurements_models_and_devices_are_skipped(db):
     assert skipped.lines() == [
         "skipped 2 of 4 measurements rows: unreadable extra JSON (id 1); median_ms is not a finite number (id 2)",
         "skipped 2 of 3 models rows: unreadable metrics JSON (id 1); created is not a finite number (id 2)",
-        f"skipped 1 of 2 devices rows: sm_count is not a non-negative integer (id {CPU.key})",
+        f"skipped 1 of 2 devices rows: sm_count is not a non-negative integer (key {CPU.key})",
     ]
     with pytest.raises(RowError, match="models row 2 .*created is not a finite number.*--refit"):
         db.latest_model(H100, feature_version=1)  # the newest row is damaged: an error, never an older model

@@ -24,7 +24,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,13 +358,19 @@ class TuningDB:
 
     # -- plumbing
 
-    def _decoded(self, table: str, rows: Iterable[dict], decode, skipped: Skipped | None, key: str = "id") -> list:
-        """decode(row) for each row; a BadRow raises RowError, or with `skipped` is counted there and left out."""
+    def _decoded(self, table: str, rows: Iterable[dict], decode, skipped: Skipped | None, key: str = "id",
+                 check: Callable[[Any], str | None] | None = None) -> list:  # fmt: skip
+        """decode(row) for each row; a BadRow (or a problem `check(record)` names) raises RowError, or with
+        `skipped` is counted there and the row left out."""
         out, n = [], 0
         for row in rows:
             n += 1
             try:
-                out.append(decode(row))
+                record = decode(row)
+                problem = check(record) if check is not None else None
+                if problem:
+                    raise BadRow(problem)
+                out.append(record)
             except BadRow as e:
                 if skipped is None:
                     raise RowError(self.path, table, row.get(key), str(e)) from None
@@ -464,6 +470,17 @@ class TuningDB:
             rows = db["devices"].rows_where(order_by="first_seen, key")
             return self._decoded("devices", rows, device_from, skipped, key="key")
 
+    def device_keys(self, *, since: float | None = None) -> list[str]:
+        """The device keys that decisions or measurements name (from `since` on, when given), sorted: rows
+        written by hand need not have a registered device. Keys that are not text are left out."""
+        where = "typeof(device) = 'text'" + (" AND time >= ?" if since is not None else "")
+        args = [since] * (since is not None)
+        with self._use("reading device keys") as db:
+            keys = set()
+            for table in ("decisions", "measurements"):
+                keys.update(k for (k,) in db.execute(f"SELECT DISTINCT device FROM {table} WHERE {where}", args))
+            return sorted(keys)
+
     def register_config(self, op: str, config: dict[str, Any]) -> str:
         """Insert or update a kernel config of `op` (e.g. "ragged_attention"); returns `config_key(config)`.
 
@@ -502,13 +519,14 @@ class TuningDB:
         arm: str | None = None,
         since: float | None = None,
         skipped: Skipped | None = None,
+        check: Callable[[Measurement], str | None] | None = None,
     ) -> list[Measurement]:
         """Measurements matching every filter given (`since`: time >= since, unix seconds), oldest first
-        (`skipped`: see `decisions`)."""
+        (`skipped`, `check`: see `decisions`)."""
         where, args = _where(device=device, signature=signature, source=source, arm=arm, since=since)
         with self._use("reading measurements") as db:
             rows = db["measurements"].rows_where(where, args, order_by="time, id")
-            return self._decoded("measurements", rows, measurement_from, skipped)
+            return self._decoded("measurements", rows, measurement_from, skipped, check=check)
 
     def add_decisions(self, decisions: Iterable[Decision], *, skipped: list[tuple[Decision, str]] | None = None) -> int:
         """Append decisions in one transaction (the runtime's flush); returns the number of rows written.
@@ -531,16 +549,19 @@ class TuningDB:
         since: float | None = None,
         limit: int | None = None,
         skipped: Skipped | None = None,
+        check: Callable[[Decision], str | None] | None = None,
     ) -> list[Decision]:
         """Decisions matching every filter given: oldest first, or with `limit` the newest `limit`, newest first.
 
-        A row that cannot be read (damaged or hostile: wrong types, NULLs, unreadable JSON) raises RowError
-        naming it; given `skipped` (a `Skipped`), such rows are left out and counted there instead."""
+        A row that cannot be read (damaged or hostile: wrong types, NULLs, unreadable JSON), or that the
+        caller's `check(decision)` finds a problem with (it returns the problem, else None: e.g. an arm this
+        package does not know of), raises RowError naming it; given `skipped` (a `Skipped`), such rows are left
+        out and counted there instead."""
         where, args = _where(device=device, signature=signature, since=since)
         order = "time, id" if limit is None else "time DESC, id DESC"
         with self._use("reading decisions") as db:
             rows = db["decisions"].rows_where(where, args, order_by=order, limit=limit)
-            return self._decoded("decisions", rows, decision_from, skipped)
+            return self._decoded("decisions", rows, decision_from, skipped, check=check)
 
     # -- cost models
 

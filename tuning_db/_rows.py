@@ -173,9 +173,10 @@ class Skipped:
         out = []
         for table, problems in self.problems.items():
             parts = []
+            word = "key" if table == "devices" else "id"  # the devices table's primary key is its key
             for problem, ids in sorted(problems.items(), key=lambda kv: -len(kv[1])):
                 shown = ", ".join(map(str, ids[:_IDS_SHOWN])) + (", ..." if len(ids) > _IDS_SHOWN else "")
-                parts.append(f"{problem} ({'id' if len(ids) == 1 else 'ids'} {shown})")
+                parts.append(f"{problem} ({word if len(ids) == 1 else word + 's'} {shown})")
             n = self.count(table)
             seen = max(self.seen[table], n)
             out.append(f"skipped {n} of {seen} {table} rows: " + "; ".join(parts))
