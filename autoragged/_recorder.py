@@ -3,6 +3,11 @@
 The forward pass appends a record to a list (no I/O). A daemon thread writes what accumulated every
 few seconds, one transaction per table per flush, and again at interpreter exit; `flush()` writes
 now. A database that cannot be opened costs one warning, never an exception in a forward pass.
+
+Retention: after writing, each flush keeps the newest `keep_decisions` decisions per device and module
+signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `_rollup.rollup`, one more
+transaction per flush, never one per forward). `Recorder.keep_decisions` None (the default) reads
+`$AUTORAGGED_DB_KEEP_DECISIONS` at each flush (default 20,000; "all" keeps every row); an int overrides it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
+from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB, keep_decisions
 
 __all__ = ["RECORDER", "Recorder"]
 
@@ -21,9 +26,12 @@ log = logging.getLogger("autoragged")
 
 
 class Recorder:
-    def __init__(self, interval_s: float = 5.0, high_water: int = 4096):
+    def __init__(self, interval_s: float = 5.0, high_water: int = 4096, keep_decisions: int | str | None = None):
+        """keep_decisions: decisions kept as rows per (device, signature); None reads the environment at each
+        flush (see the module docstring), "all" keeps every row."""
         self.interval_s = interval_s
         self.high_water = high_water
+        self.keep_decisions = keep_decisions
         self._lock = threading.Lock()  # guards the dict of queues and the thread start, not the appends
         self._wake = threading.Event()
         self._queues: dict[Path, deque] = {}
@@ -103,11 +111,31 @@ class Recorder:
             self._broken.add(path)
             self._queues.pop(path, None)
             log.warning("autoragged: not recording decisions any more: %s", e)
+            return written
+        keep = self._keep()
+        if keep is not None and decisions:
+            self._prune(db, keep, {(d.device, d.signature) for d in decisions})
         if bad:
             total = sum(x is not None for _, x, _ in items) + len(measurements)
             log.warning("autoragged: left %d of %d records out of %s: they cannot be stored (%s)",
                         len(bad), total, path, bad[0][1])  # fmt: skip
         return written
+
+    @staticmethod
+    def _prune(db: TuningDB, keep: int, pairs: set[tuple[str, str]]) -> None:
+        """Bound what the flush wrote (see the module docstring); a failure here (another writer holding the lock
+        past the busy timeout) costs a warning and is retried at the next flush: the decisions are written."""
+        from ._rollup import rollup
+
+        try:
+            db.prune_decisions(keep, rollup, pairs=pairs)
+        except Exception as e:  # noqa: BLE001 - retention must never stop the recording
+            log.warning("autoragged: could not prune old decisions in %s (retried at the next flush): %s", db.path, e)
+
+    def _keep(self) -> int | None:
+        if self.keep_decisions is None:
+            return keep_decisions()
+        return None if self.keep_decisions == "all" else self.keep_decisions
 
 
 def _decisions(items: list) -> tuple[list[Decision], list[tuple[object, str]]]:

@@ -1,6 +1,7 @@
 """A hostile or damaged tuning database: every kind of bad cost model payload falls back to the analytic prior
 with one warning while the wrapped model's forward stays right; non-finite predictions never reach a decision
-or the writer; one bad record never costs the rest of a flush. CPU only, tiny models, a few seconds in all."""
+or the writer; one bad record never costs the rest of a flush, and a flush bounds the decisions it keeps.
+CPU only, tiny models, a few seconds in all."""
 
 from __future__ import annotations
 
@@ -302,3 +303,25 @@ def test_flush_writes_every_good_row_around_a_nan(tmp_path, caplog):
     assert "left 3 of 11 records out of" in warning and str(path) in warning
     rec.add(path, CPU, _decision(20))  # the file is not marked broken: later flushes still write
     assert rec.flush() == 1
+
+
+def test_the_flush_prunes_in_one_more_transaction_not_one_per_batch(tmp_path, monkeypatch):
+    path = tmp_path / "t.sqlite"
+    rec = _recorder.Recorder(interval_s=3600, keep_decisions=5)
+    for i in range(40):
+        rec.add(path, CPU, _decision(i, signature="a" if i % 4 else "b"))
+    db = rec.open_db(path)
+    statements: list[str] = []
+    db._conn.set_trace_callback(statements.append)
+    assert rec.flush() == 40
+    db._conn.set_trace_callback(None)
+    # the device, the decisions, the pruning of both signatures: three transactions for 40 batches
+    assert [s for s in statements if s.startswith("BEGIN")] == ["BEGIN IMMEDIATE"] * 3
+    assert len(db.decisions(signature="a")) == len(db.decisions(signature="b")) == 5
+    assert [d.reason for d in db.decisions(signature="b")] == [f"r{i}" for i in (20, 24, 28, 32, 36)]
+    assert sum(t.batches for t in db.decision_totals()) == 30
+    monkeypatch.setenv("AUTORAGGED_DB_KEEP_DECISIONS", "all")
+    rec.keep_decisions = None  # from the environment at each flush: now every row is kept
+    for i in range(40, 50):
+        rec.add(path, CPU, _decision(i, signature="a"))
+    assert rec.flush() == 10 and len(db.decisions(signature="a")) == 15

@@ -3,6 +3,7 @@ real (CPU) run of a wrapped model plus hand-made decisions with known prediction
 terminal tables, the HTML page, and the error paths (missing, empty, corrupt file; bad filters)."""
 
 import base64
+import dataclasses
 import datetime as dt
 import re
 import sqlite3
@@ -496,3 +497,70 @@ def test_a_sqlite_file_that_is_no_tuning_database_is_refused_by_name(tmp_path, c
     assert report.main(["--db", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path} is not a tuning database" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------ retention
+
+
+def _numbers(module) -> dict:
+    """A module summary's numbers, floats to 9 digits (sums taken in another order), without rolled_up."""
+
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 9)
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return value
+
+    numbers = dataclasses.asdict(module)
+    numbers.pop("rolled_up")
+    return rounded(numbers)
+
+
+def test_the_numbers_are_the_same_once_decisions_are_added_up(filled, tmp_path, capsys):
+    from autoragged._rollup import rollup
+
+    path = _copy(filled[0], tmp_path)
+    windows = (None, "7d", "5m")
+    before = {since: report.summary(path, since=since) for since in windows}
+    with TuningDB.open(path) as db:
+        assert db.prune_decisions(2, rollup) == (REAL_FORWARDS - 2) + (7 - 2)  # the old signature has one
+        assert db.counts()["decisions"] == 5 and db.counts()["decision_totals"] > 0
+    for since in windows:
+        after = report.summary(path, since=since)
+        assert after.decisions == before[since].decisions, since
+        devices = zip(before[since].devices, after.devices)
+        pairs = [(b, a) for dev_b, dev_a in devices for b, a in zip(dev_b.modules, dev_a.modules)]
+        assert len(pairs) == {None: 3, "7d": 2, "5m": 1}[since]
+        for b, a in pairs:
+            assert _numbers(a) == _numbers(b), (since, b.signature)
+            assert a.rolled_up == b.batches - min(b.batches, 2) and b.rolled_up == 0
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{REAL_FORWARDS - 2} of them are counted in hourly totals only" in out and "AUTORAGGED_DB_KEEP" in out
+    assert re.search(rf"\| {re.escape(LA)} +\| +3 \| +42\.9% \|", out)  # the hand-made shares, as before
+
+
+def test_a_wrapped_model_keeps_the_newest_decisions_and_reports_all(tmp_path, monkeypatch):
+    from autoragged import _ragged, ops
+
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+    monkeypatch.setenv("AUTORAGGED_DB_KEEP_DECISIONS", "4")
+    path = tmp_path / "t.sqlite"
+    layer = nn.TransformerEncoderLayer(32, 2, 32, batch_first=True, dropout=0.0)
+    model = autoragged.wrap(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), db=path)
+    with torch.no_grad():
+        for i in range(10):
+            model(torch.randn(2, 8 + i, 32), lengths=[8 + i, 3])
+            if i == 4:
+                autoragged.flush()  # two flushes: the second prunes what the first kept
+    autoragged.unwrap(model)
+    with TuningDB.open(path) as db:
+        kept = db.decisions()
+        assert [d.stats.max_len for d in kept] == [14, 15, 16, 17] and sum(t.batches for t in db.decision_totals()) == 6
+    s = report.summary(path)
+    (m,) = s.devices[0].modules
+    assert (m.batches, m.rolled_up, sum(sh.batches for sh in m.arms)) == (10, 6, 10)

@@ -24,6 +24,7 @@ from autoragged.tuning_db import (
     BatchStats,
     DatabaseError,
     Decision,
+    DecisionTotals,
     DeviceKey,
     Measurement,
     ModelRecord,
@@ -39,7 +40,8 @@ from autoragged.tuning_db._db import decision_row, measurement_row
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_db_worker.py")
-OUR_TABLES = {"_migrations", "devices", "kernel_configs", "measurements", "models", "decisions", "tune_items"}
+OUR_TABLES = {"_migrations", "devices", "kernel_configs", "measurements", "models", "decisions", "tune_items",
+              "decision_totals", "decision_buckets"}  # fmt: skip
 N_MIGRATIONS = len(mig.MIGRATIONS)
 
 H100 = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0")
@@ -110,7 +112,7 @@ def test_fresh_file_has_every_table_in_wal_mode_at_latest_version(tmp_path):
     path = tmp_path / "new" / "dir" / "t.sqlite"  # parent directories are created
     with TuningDB.open(path) as db:
         assert db.path == path
-        assert db.schema_version == N_MIGRATIONS == 2
+        assert db.schema_version == N_MIGRATIONS == 3
         assert db._conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
         assert db.counts() == dict.fromkeys(mig.DATA_TABLES, 0)
     assert OUR_TABLES <= tables(path)
@@ -205,12 +207,11 @@ def test_a_failing_migration_rolls_back_alone(tmp_path, monkeypatch):
         db["half_done"].create({"x": int})
         raise RuntimeError("migration bug")
 
-    monkeypatch.setattr(mig, "MIGRATIONS", [*mig.MIGRATIONS, ("0003_boom", boom)])
+    monkeypatch.setattr(mig, "MIGRATIONS", [*mig.MIGRATIONS, ("0099_boom", boom)])
     with pytest.raises(RuntimeError, match="migration bug"):
         TuningDB.open(path)
     assert [n for (n,) in query(path, "SELECT name FROM _migrations ORDER BY name")] == [
-        "0001_initial",
-        "0002_indexes_and_tune_items",
+        name for name, _ in mig.MIGRATIONS[:-1]
     ]
     assert "half_done" not in tables(path)  # the failed migration's DDL was rolled back with it
     monkeypatch.undo()
@@ -501,7 +502,105 @@ def test_counts(db):
         "models": 1,
         "decisions": 5,
         "tune_items": 2,
+        "decision_totals": 0,
+        "decision_buckets": 0,
     }
+
+
+# -------------------------------------------------------------------------------------------- retention
+
+
+def _count_rollup(decisions):
+    """A stand-in for autoragged's rollup: one totals record per (device, signature, arm), batches and time range."""
+    out: dict = {}
+    for d in decisions:
+        t = DecisionTotals(d.device, d.signature, 0.0, d.arm, d.arm, "r", False, 1, d.time, d.time,
+                           sampled=int(d.measured_ms is not None), measured_sum=d.measured_ms or 0.0,
+                           measured_min=d.measured_ms, measured_max=d.measured_ms)  # fmt: skip
+        key = (d.device, d.signature, d.arm)
+        if key in out:
+            out[key].merge(t)
+        else:
+            out[key] = t
+    return list(out.values()), []
+
+
+def test_prune_keeps_the_newest_per_signature_and_adds_the_rest_up(db):
+    db.add_decisions([decision(i, measured_ms=float(i) if i % 3 == 0 else None) for i in range(10)])
+    db.add_decisions([decision(i, signature="other", t=5000.0) for i in range(3)])
+    seen = []
+
+    def rollup(decisions):
+        seen.append([d.time for d in decisions])
+        return _count_rollup(decisions)
+
+    statements: list[str] = []
+    db._conn.set_trace_callback(statements.append)
+    assert db.prune_decisions(4, rollup) == 6
+    db._conn.set_trace_callback(None)
+    assert [s for s in statements if s.startswith("BEGIN")] == ["BEGIN IMMEDIATE"]  # one transaction for all
+    assert seen == [[1000.0 + i for i in range(6)]]  # the oldest six of ENC; "other" has only three
+    assert [d.time for d in db.decisions(signature=ENC)] == [1006.0 + i for i in range(4)]
+    assert len(db.decisions(signature="other")) == 3
+    (t,) = db.decision_totals()
+    assert (t.batches, t.first, t.last, t.sampled, t.measured_sum, t.measured_min, t.measured_max) == (
+        6, 1000.0, 1005.0, 2, 3.0, 0.0, 3.0
+    )
+    db.add_decisions([decision(i) for i in (20, 21)])
+    assert db.prune_decisions(4, rollup, pairs=[(H100.key, ENC.key)]) == 2  # totals merge: sums add, min/max
+    (t,) = db.decision_totals()
+    assert (t.batches, t.first, t.last, t.sampled, t.measured_sum, t.measured_max) == (8, 1000.0, 1007.0, 3, 9.0, 6.0)
+    assert db.decision_totals(since=1007.0) == [t] and db.decision_totals(since=1007.5) == []
+    assert db.decision_totals(device=CPU) == [] and db.counts()["decisions"] == 4 + 3
+    assert db.prune_decisions(0, _count_rollup) == 7 and db.counts()["decisions"] == 0
+    with pytest.raises(ValueError, match="keep must be an int >= 0"):
+        db.prune_decisions(-1, _count_rollup)
+
+
+def test_prune_deletes_unreadable_rows_without_counting_them(db):
+    db.add_decisions([decision(i) for i in range(5)])
+    _damage(db.path, "decisions", 1, predicted_ms="'{'")
+    assert db.prune_decisions(2, _count_rollup) == 3
+    (t,) = db.decision_totals()
+    assert t.batches == 2 and len(db.decisions()) == 2
+
+
+def test_a_failing_rollup_prunes_nothing(db):
+    db.add_decisions([decision(i) for i in range(5)])
+
+    def broken(decisions):
+        raise RuntimeError("rollup bug")
+
+    with pytest.raises(RuntimeError, match="rollup bug"):
+        db.prune_decisions(1, broken)
+    assert len(db.decisions()) == 5 and db.decision_totals() == []
+
+
+def test_keep_decisions_from_the_environment(monkeypatch, caplog):
+    from autoragged.tuning_db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, keep_decisions
+
+    monkeypatch.delenv(KEEP_ENV_VAR, raising=False)
+    assert keep_decisions() == DEFAULT_KEEP_DECISIONS == 20_000
+    for text, keep in (("0", 0), ("1_000", 1000), (" 50 ", 50), ("all", None), ("ALL", None)):
+        monkeypatch.setenv(KEEP_ENV_VAR, text)
+        assert keep_decisions() == keep, text
+    for text in ("-3", "lots", "1e4"):
+        monkeypatch.setenv(KEEP_ENV_VAR, text)
+        assert keep_decisions() == DEFAULT_KEEP_DECISIONS
+        assert keep_decisions() == DEFAULT_KEEP_DECISIONS  # warned once per value
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3 and all(KEEP_ENV_VAR in w and "'all'" in w for w in warnings)
+
+
+def test_a_reader_opens_a_file_from_before_the_rollup_tables(tmp_path):
+    path = tmp_path / "old.sqlite"
+    _build_at_version(path, 2)
+    with TuningDB.open(path, readonly=True) as db:  # nothing to migrate for a reader: the totals read as empty
+        assert db.decisions() == [decision(2)] and db.decision_totals() == [] and db.decision_buckets() == []
+        assert db.counts()["decision_totals"] == 0 and db.device_keys() == [H100.key]
+    assert "decision_totals" not in tables(path)  # and the file is left as it was
+    with TuningDB.open(path) as db:
+        assert db.schema_version == N_MIGRATIONS and db.decisions() == [decision(2)]
 
 
 # -------------------------------------------------------------------------------------------- transactions

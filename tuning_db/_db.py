@@ -35,24 +35,66 @@ from .migrations import (
     DATA_TABLES,
     MIGRATIONS,
     MIGRATIONS_TABLE,
+    READER_OPTIONAL,
     applied_migrations,
     migrate,
     unknown_migrations,
     write_transaction,
 )
-from ._rows import BadRow, Skipped, decision_from, device_from, measurement_from, model_fields
-from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
+from ._rows import (
+    BadRow, Skipped, buckets_from, decision_from, device_from, measurement_from, model_fields, totals_from,
+)  # fmt: skip
+from .records import (
+    _MAXES, _MINS, _SUMS, BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement, ModuleSignature,
+    config_key,
+)  # fmt: skip
 
 if TYPE_CHECKING:  # imported lazily in TuningDB.open: sqlite-utils pulls in numpy and click (~100 ms)
     import sqlite_utils
 
-__all__ = ["TuningDB", "ModelRecord", "default_path", "ENV_VAR", "BUSY_TIMEOUT_S"]
+__all__ = [
+    "TuningDB", "ModelRecord", "default_path", "keep_decisions", "ENV_VAR", "KEEP_ENV_VAR", "DEFAULT_KEEP_DECISIONS",
+    "BUSY_TIMEOUT_S",
+]  # fmt: skip
 
 log = logging.getLogger("autoragged")
 
 ENV_VAR = "AUTORAGGED_DB"
 BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another process's write transaction before failing
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
+
+
+# Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
+# pictures, and any query of single batches, read them); older ones are added up into decision_totals and
+# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). A decision row
+# takes about 440 bytes (4.4 MB per 10k batches, CPU soak, 2026-11): 20,000 of them are ~9 MB per module, and
+# the report's decision map draws at most 20,000 points (report._MAX_MAP_POINTS) anyway.
+KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
+DEFAULT_KEEP_DECISIONS = 20_000
+_warned_keep: set[str] = set()
+
+
+def keep_decisions() -> int | None:
+    """How many decisions per (device, signature) the runtime keeps one by one: `$AUTORAGGED_DB_KEEP_DECISIONS`
+    (an int >= 0; 0 adds every decision up at once), "all" for no bound (the file then grows by ~440 bytes per
+    batch), or unset for DEFAULT_KEEP_DECISIONS. None means all. A value that is none of these costs one warning
+    and the default."""
+    text = os.environ.get(KEEP_ENV_VAR, "").strip()
+    if not text:
+        return DEFAULT_KEEP_DECISIONS
+    if text.lower() == "all":
+        return None
+    try:
+        keep = int(text.replace("_", ""))
+        if keep < 0:
+            raise ValueError
+        return keep
+    except ValueError:
+        if text not in _warned_keep:
+            _warned_keep.add(text)
+            log.warning("autoragged: %s=%r is not a number of decisions >= 0 or 'all'; keeping %d per module",
+                        KEEP_ENV_VAR, text, DEFAULT_KEEP_DECISIONS)  # fmt: skip
+        return DEFAULT_KEEP_DECISIONS
 
 
 def default_path() -> Path:
@@ -173,6 +215,24 @@ _DECISION_REQUIRED = ("time", "device", "signature", "arm", "config_key", *_STAT
 _MEASUREMENT_REQUIRED = (
     "device", "signature", "arm", "config_key", *_STATS_FIELDS, "median_ms", "reps", "time", "source"
 )  # fmt: skip
+@functools.cache
+def _upsert(table: str, cls: type) -> tuple[str, list[str]]:
+    """(INSERT ... ON CONFLICT DO UPDATE that adds a totals record into `table`, the column order)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    sets = []
+    for name in names:
+        if name in _SUMS:
+            sets.append(f"{name} = {name} + excluded.{name}")
+        elif name in _MINS or name in _MAXES:
+            pick = "min" if name in _MINS else "max"  # the scalar min/max of SQLite: NULL when either is NULL
+            sets.append(f"{name} = coalesce({pick}({name}, excluded.{name}), {name}, excluded.{name})")
+    sql = (
+        f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))}) "
+        f"ON CONFLICT ({', '.join(cls.KEY)}) DO UPDATE SET {', '.join(sets)}"
+    )
+    return sql, names
+
+
 _MODEL_COLUMNS = "id, device, signature, feature_version, kind, metrics, created"
 
 
@@ -298,7 +358,7 @@ def _check_readable(db: sqlite_utils.Database, path: Path) -> None:
     applied = applied_migrations(db)
     if not applied:
         raise DatabaseError(f"{path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
-    missing = [name for name, _ in MIGRATIONS if name not in applied]
+    missing = [name for name, _ in MIGRATIONS if name not in applied and name not in READER_OPTIONAL]
     if missing:
         raise DatabaseError(
             f"the tuning database {path} is at an older schema (missing {', '.join(missing)}); open it "
@@ -452,7 +512,10 @@ class TuningDB:
     def counts(self) -> dict[str, int]:
         """Rows per table of this package (not optuna's), for reports and tests."""
         with self._use("counting rows") as db:
-            return {table: db.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] for table in DATA_TABLES}
+            return {
+                table: db.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] if db[table].exists() else 0
+                for table in DATA_TABLES
+            }
 
     # -- devices and kernel configs
 
@@ -479,6 +542,9 @@ class TuningDB:
             keys = set()
             for table in ("decisions", "measurements"):
                 keys.update(k for (k,) in db.execute(f"SELECT DISTINCT device FROM {table} WHERE {where}", args))
+            if db["decision_totals"].exists():
+                rolled = f"SELECT DISTINCT device FROM decision_totals WHERE {where.replace('time', 'last')}"
+                keys.update(k for (k,) in db.execute(rolled, args))
             return sorted(keys)
 
     def register_config(self, op: str, config: dict[str, Any]) -> str:
@@ -562,6 +628,77 @@ class TuningDB:
         with self._use("reading decisions") as db:
             rows = db["decisions"].rows_where(where, args, order_by=order, limit=limit)
             return self._decoded("decisions", rows, decision_from, skipped, check=check)
+
+    # -- retention
+
+    def prune_decisions(
+        self,
+        keep: int,
+        rollup: Callable[[list[Decision]], tuple[list[DecisionTotals], list[BucketTotals]]],
+        *,
+        pairs: Iterable[tuple[str, str]] | None = None,
+    ) -> int:
+        """Keep the newest `keep` decisions of each (device, signature) and add the older ones up, in one
+        transaction: `rollup(decisions)` makes their totals (autoragged's `_rollup.rollup`: this package does not
+        know arm labels or planner buckets), which are added into decision_totals / decision_buckets, and the
+        rows are deleted. pairs: the (device, signature) pairs to look at (default: all). Rows too damaged to
+        read are deleted without being counted. Returns the number of decisions pruned."""
+        if not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0 (decisions kept per device and signature), got {keep!r}")
+        with self._write("pruning decisions") as db:
+            if pairs is None:
+                pairs = db.execute("SELECT DISTINCT device, signature FROM decisions").fetchall()
+            return sum(self._prune_one(db, device, signature, keep, rollup) for device, signature in pairs)
+
+    def _prune_one(self, db: sqlite_utils.Database, device: str, signature: str, keep: int, rollup) -> int:
+        where, args = "device = ? AND signature = ?", [device, signature]
+        (n,) = db.execute(f"SELECT count(*) FROM decisions WHERE {where}", args).fetchone()
+        if n <= keep:
+            return 0
+        cursor = db.execute(f"SELECT * FROM decisions WHERE {where} ORDER BY time, id LIMIT ?", [*args, n - keep])
+        columns = [c[0] for c in cursor.description]
+        ids, decisions = [], []
+        for values in cursor:
+            row = dict(zip(columns, values))
+            ids.append((row["id"],))
+            try:
+                decisions.append(decision_from(row))
+            except BadRow:
+                pass  # beyond retention and unreadable: nothing to add up
+        totals, buckets = rollup(decisions)
+        for table, records in (("decision_totals", totals), ("decision_buckets", buckets)):
+            if records:
+                sql, names = _upsert(table, type(records[0]))
+                db.conn.executemany(sql, [[getattr(r, name) for name in names] for r in records])
+        db.conn.executemany("DELETE FROM decisions WHERE id = ?", ids)
+        if len(decisions) < len(ids):
+            log.debug("tuning database %s: pruned %d unreadable decisions", self.path, len(ids) - len(decisions))
+        return len(ids)
+
+    def decision_totals(
+        self, *, device: str | DeviceKey | None = None, since: float | None = None, skipped: Skipped | None = None
+    ) -> list[DecisionTotals]:
+        """The decisions pruned so far, added up per hour (`prune_decisions`; empty for a file that predates
+        them). since: the totals whose last decision is at or after it, i.e. whole hours that overlap the
+        window. `skipped`: see `decisions`."""
+        return self._rolled("decision_totals", totals_from, device, since, skipped)
+
+    def decision_buckets(
+        self, *, device: str | DeviceKey | None = None, since: float | None = None, skipped: Skipped | None = None
+    ) -> list[BucketTotals]:
+        """The timed decisions pruned so far, added up per planner bucket and day (see `decision_totals`)."""
+        return self._rolled("decision_buckets", buckets_from, device, since, skipped)
+
+    def _rolled(self, table: str, decode, device, since, skipped) -> list:
+        where, args = _where(device=device)
+        if since is not None:
+            where = (f"{where} AND " if where else "") + "last >= ?"
+            args.append(since)
+        with self._use(f"reading {table}") as db:
+            if not db[table].exists():
+                return []
+            rows = db[table].rows_where(where, args, order_by="period, rowid", select="rowid AS id, *")
+            return self._decoded(table, rows, decode, skipped)
 
     # -- cost models
 

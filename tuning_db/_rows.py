@@ -16,9 +16,12 @@ import math
 from collections import Counter, defaultdict
 from typing import Any
 
-from .records import BatchStats, Decision, DeviceKey, Measurement
+from .records import BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement
 
-__all__ = ["BadRow", "Skipped", "parse_json", "decision_from", "measurement_from", "device_from", "model_fields"]
+__all__ = [
+    "BadRow", "Skipped", "parse_json", "decision_from", "measurement_from", "device_from", "model_fields",
+    "totals_from", "buckets_from",
+]  # fmt: skip
 
 _IDS_SHOWN = 8  # row ids listed per problem in a Skipped line
 
@@ -147,6 +150,28 @@ def model_fields(row: dict[str, Any], *, payload: bool) -> dict[str, Any]:
         metrics=_object(row, "metrics"),
         created=_real(row, "created"),
     )
+
+
+_BY_TYPE = {
+    "str": _text,
+    "int": _int,
+    "float": _real,
+    "float | None": lambda row, column: _real(row, column, nullable=True),
+    "bool": lambda row, column: bool(_int(row, column)),
+}
+
+
+def _dataclass_from(cls: type, row: dict[str, Any]) -> Any:
+    """An instance of a dataclass of plain fields (str, int, float, float | None, bool), each column checked."""
+    return cls(**{f.name: _BY_TYPE[str(f.type)](row, f.name) for f in dataclasses.fields(cls)})
+
+
+def totals_from(row: dict[str, Any]) -> DecisionTotals:
+    return _dataclass_from(DecisionTotals, row)
+
+
+def buckets_from(row: dict[str, Any]) -> BucketTotals:
+    return _dataclass_from(BucketTotals, row)
 
 
 class Skipped:
