@@ -13,10 +13,13 @@ In a notebook, `summary()` returns the same numbers as dataclasses (the CLI prin
     s = autoragged.report.summary(since="7d")
     s.devices[0].modules[0].saved.vs_padded_pct
 
-Cost: the decisions and measurements in the window are read into Python in full, as dataclasses (a full
-scan: 10^5 decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows; 10^6 is
-acceptable for now, at ~20 s and ~1.6 GB; SQL aggregates would be the next step). `--since` and `--device`
-narrow the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
+Cost: the decisions and measurements in the window are read into Python in full, as dataclasses (10^5
+decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows). The runtime keeps the
+newest `AUTORAGGED_DB_KEEP_DECISIONS` decisions per module as rows (default 20,000) and adds older ones up
+(`_rollup`); the report adds the rows it reads up the same way and merges the stored totals, so its numbers
+cover every batch while it reads at most that many rows per module. For decisions known from totals only,
+`--since` counts from the start of the hour (day, for regret) it falls in. `--since` and `--device` narrow
+the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
 
 A damaged or hostile row (unreadable JSON, wrong types, NULLs, an arm this autoragged does not know) is left
 out, and the report says so in one line per table ("skipped 3 of 120 decisions rows: unreadable predicted_ms

@@ -66,9 +66,10 @@ _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
 
 # Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
 # pictures, and any query of single batches, read them); older ones are added up into decision_totals and
-# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). A decision row
-# takes about 440 bytes (4.4 MB per 10k batches, CPU soak, 2026-11): 20,000 of them are ~9 MB per module, and
-# the report's decision map draws at most 20,000 points (report._MAX_MAP_POINTS) anyway.
+# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). 20,000 rows and
+# their indexes took 12 MB of file per module (benchmarks/soak.py, CPU, 2026-11-24: 1M batches, the file flat
+# at 12.0-12.2 MB from 50k batches on), and the report's decision map draws at most 20,000 points anyway
+# (report._MAX_MAP_POINTS).
 KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
 DEFAULT_KEEP_DECISIONS = 20_000
 _warned_keep: set[str] = set()
@@ -76,7 +77,7 @@ _warned_keep: set[str] = set()
 
 def keep_decisions() -> int | None:
     """How many decisions per (device, signature) the runtime keeps one by one: `$AUTORAGGED_DB_KEEP_DECISIONS`
-    (an int >= 0; 0 adds every decision up at once), "all" for no bound (the file then grows by ~440 bytes per
+    (an int >= 0; 0 adds every decision up at once), "all" for no bound (the file then grows by ~0.5 KB per
     batch), or unset for DEFAULT_KEEP_DECISIONS. None means all. A value that is none of these costs one warning
     and the default."""
     text = os.environ.get(KEEP_ENV_VAR, "").strip()
