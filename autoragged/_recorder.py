@@ -37,6 +37,7 @@ class Recorder:
         self._queues: dict[Path, deque] = {}
         self._dbs: dict[Path, TuningDB] = {}
         self._broken: set[Path] = set()
+        self._prune_failed: set[Path] = set()
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()
 
@@ -121,16 +122,18 @@ class Recorder:
                         len(bad), total, path, bad[0][1])  # fmt: skip
         return written
 
-    @staticmethod
-    def _prune(db: TuningDB, keep: int, pairs: set[tuple[str, str]]) -> None:
-        """Bound what the flush wrote (see the module docstring); a failure here (another writer holding the lock
-        past the busy timeout) costs a warning and is retried at the next flush: the decisions are written."""
+    def _prune(self, db: TuningDB, keep: int, pairs: set[tuple[str, str]]) -> None:
+        """Bound what the flush wrote (see the module docstring). A failure here (another writer holding the lock
+        past the busy timeout, a damaged file) costs one warning per file and is retried at the next flush: the
+        decisions themselves are written."""
         from ._rollup import rollup
 
         try:
             db.prune_decisions(keep, rollup, pairs=pairs)
         except Exception as e:  # noqa: BLE001 - retention must never stop the recording
-            log.warning("autoragged: could not prune old decisions in %s (retried at the next flush): %s", db.path, e)
+            if db.path not in self._prune_failed:
+                self._prune_failed.add(db.path)
+                log.warning("autoragged: could not prune old decisions in %s (retried at each flush): %s", db.path, e)
 
     def _keep(self) -> int | None:
         if self.keep_decisions is None:

@@ -334,3 +334,21 @@ def test_the_flush_prunes_in_one_more_transaction_not_one_per_batch(tmp_path, mo
     for i in range(40, 50):
         rec.add(path, CPU, _decision(i, signature="a"))
     assert rec.flush() == 10 and len(db.decisions(signature="a")) == 15
+
+
+def test_a_prune_that_fails_warns_once_and_recording_goes_on(tmp_path, caplog):
+    path = tmp_path / "t.sqlite"
+    rec = _recorder.Recorder(interval_s=3600, keep_decisions=2)
+    rec.add(path, CPU, _decision(0))
+    rec.flush()
+    with sqlite3.connect(path) as conn:  # a damaged file: the totals table is gone
+        conn.execute("DROP TABLE decision_totals")
+    conn.close()
+    for flush in range(3):
+        for i in range(5):
+            rec.add(path, CPU, _decision(10 * flush + i))
+        assert rec.flush() == 5
+    (warning,) = warnings_of(caplog)
+    assert "could not prune old decisions" in warning and str(path) in warning
+    with TuningDB.open(path) as db:
+        assert len(db.decisions()) == 16  # every decision written, none pruned
