@@ -1,4 +1,11 @@
-"""The calibrated cost model as the runtime sees it: read from the tuning database, lazily, once."""
+"""The calibrated cost model as the runtime sees it: read from the tuning database, lazily, once.
+
+The models table may come from a shared file, damaged or hostile: the newest row is read with its size capped
+before it is parsed (`_payload.MAX_PAYLOAD_BYTES`), parsed with a guard against deep nesting, and validated in
+full (`CompiledModel.from_payload`). Anything wrong on that path, whatever the exception, costs one WARNING
+naming the file, the row and the problem, and the planner decides with the analytic prior: reading a model
+never stalls or fails a forward.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +13,40 @@ import logging
 from pathlib import Path
 
 from ._costmodel import FEATURE_VERSION
-from .tuning_db import DatabaseError, DeviceKey, ModuleSignature
+from ._payload import MAX_PAYLOAD_BYTES
+from .tuning_db import DeviceKey, ModuleSignature, RowError
 
 log = logging.getLogger("autoragged")
+
+_REMEDY = "refit with python -m autoragged.tune --refit (or delete the row)"
 
 
 def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSignature):
     """(model, candidates) from the newest calibration of `device` that covers `sig`, or None (then the
-    planner uses the analytic prior)."""
+    planner uses the analytic prior; a calibration that cannot be used was reported in one warning)."""
     if db_path is None or not db_path.exists():
         return None
     from ._recorder import RECORDER
 
     try:
-        record = RECORDER.open_db(db_path).latest_model(device.key, feature_version=FEATURE_VERSION, signature=sig.key)
-    except DatabaseError as e:
-        log.warning("autoragged: cannot read the cost model, using the prior: %s", e)
+        record = RECORDER.open_db(db_path).latest_model(
+            device.key, feature_version=FEATURE_VERSION, signature=sig.key, max_payload_bytes=MAX_PAYLOAD_BYTES
+        )
+    except RowError as e:
+        log.warning("autoragged: using the analytic prior: the cost model in models row %s of %s is unusable: %s; "
+                    "%s", e.row_id, db_path, e.problem, _REMEDY)  # fmt: skip
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, a forward must not fail on reading it
+        log.warning("autoragged: using the analytic prior: cannot read the cost model from %s: %s", db_path, e)
         return None
     if record is None:
         return None
     from ._model import CompiledModel
 
-    model = CompiledModel.from_payload(record.payload)
-    return model, model.candidates_for(sig)
+    try:
+        model = CompiledModel.from_payload(record.payload, device=device)
+        return model, model.candidates_for(sig)
+    except Exception as e:  # noqa: BLE001 - a PayloadError, or anything a hostile payload might still raise
+        log.warning("autoragged: using the analytic prior: the cost model in models row %s of %s is unusable: %s; %s",
+                    record.id, db_path, e, _REMEDY)  # fmt: skip
+        return None

@@ -38,6 +38,7 @@ import numpy as np
 
 from ._buckets import LADDER_VERSION
 from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features
+from ._payload import MAX_DEPTH, TREE_FIELDS, PayloadError, check_candidates, check_device, check_forest, require
 from .kernels._config import KernelConfig
 from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 
@@ -48,7 +49,7 @@ __all__ = [
 
 KIND = "gbt-arrays"
 TIE = 0.01  # two arms within 1% of each other are a tie at the noise level of our timings
-_FIELDS = ("feature", "threshold", "left", "right", "value", "leaf")
+_FIELDS = TREE_FIELDS
 MIN_ROWS = 20  # usable measurements a fit needs: fewer, and the runtime keeps the analytic prior
 
 
@@ -79,6 +80,8 @@ class Forest:
         self.leaf = trees["leaf"].astype(bool)
         self.roots = roots.astype(np.int64)
         self.depth = int(depth)
+        if not 0 <= self.depth <= MAX_DEPTH:  # residual() steps `depth` times: never unbounded
+            raise ValueError(f"a forest of depth {self.depth}; at most {MAX_DEPTH} is evaluated")
 
     def residual(self, X: np.ndarray) -> np.ndarray:
         """The trees' log-residual for feature rows X (n, F): all rows and trees step down together."""
@@ -101,20 +104,10 @@ class Forest:
         }
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> Forest:
-        """Rebuild and validate (a shared file is input): ValueError / KeyError / TypeError on bad arrays."""
-        trees = {name: np.asarray(payload["trees"][name]) for name in _FIELDS}
-        roots = np.asarray(payload["roots"], dtype=np.int64)
-        n = len(trees["feature"])
-        if any(len(v) != n for v in trees.values()) or (roots.size and (roots.min() < 0 or roots.max() >= n)):
-            raise ValueError("tree arrays of unequal length or roots out of range")
-        inner = ~trees["leaf"].astype(bool)
-        for child in ("left", "right"):
-            if inner.any() and (trees[child][inner].min() < 0 or trees[child][inner].max() >= n):
-                raise ValueError(f"{child} child index out of range")
-        if inner.any() and trees["feature"][inner].max() >= len(FEATURE_NAMES):
-            raise ValueError("feature index out of range")
-        return cls(float(payload["baseline"]), trees, roots, int(payload["depth"]))
+    def from_payload(cls, payload: dict[str, Any], where: str = "payload") -> Forest:
+        """Rebuild and validate (a shared file is input): PayloadError (a ValueError) says what is wrong."""
+        baseline, trees, roots, depth = check_forest(payload, len(FEATURE_NAMES), where)
+        return cls(baseline, trees, roots, depth)
 
 
 # The arm every other arm's latency is predicted relative to (see CompiledModel), by what was measured:
@@ -176,15 +169,18 @@ class CompiledModel:
         return self.absolute.residual(X)
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
-        if self.relative is None:
-            return self.prior.predict_ms(sig, stats, arms) * np.exp(self.residual(features(sig, stats, arms)))
-        ref = reference_arm(self.reference, sig, stats)
-        every = [*arms, ref]
-        X = features(sig, stats, every)
-        prior = self.prior.predict_ms(sig, stats, every)
-        rel = self.relative.residual(X[:-1])
-        rel[[a == ref for a in arms]] = 0.0
-        return prior[:-1] * np.exp(self.absolute.residual(X[-1:])[0] + rel)
+        """ms per arm. Finite leaves can still sum to an overflow: such an arm comes back inf or NaN (never an
+        exception), and the planner treats it as unpredicted (`Planner.plan`)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.relative is None:
+                return self.prior.predict_ms(sig, stats, arms) * np.exp(self.residual(features(sig, stats, arms)))
+            ref = reference_arm(self.reference, sig, stats)
+            every = [*arms, ref]
+            X = features(sig, stats, every)
+            prior = self.prior.predict_ms(sig, stats, every)
+            rel = self.relative.residual(X[:-1])
+            rel[[a == ref for a in arms]] = 0.0
+            return prior[:-1] * np.exp(self.absolute.residual(X[-1:])[0] + rel)
 
     def candidates_for(self, sig: ModuleSignature) -> Callable[[BatchStats], list[Arm]]:
         """The tuner's shortlist of ragged configs for `sig` by max_len bucket (or the all-signature one)."""
@@ -218,27 +214,36 @@ class CompiledModel:
         return payload
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> CompiledModel:
-        """Rebuild from a stored payload; a ValueError says what is malformed (a shared file is input)."""
+    def from_payload(cls, payload: dict[str, Any], device: DeviceKey | None = None) -> CompiledModel:
+        """Rebuild from a stored payload, validated (`_payload`: types, bounds, tree structure, finiteness,
+        sizes); a PayloadError (a ValueError) says what is malformed. device: the device the runtime runs on
+        (the prior's rates come from it rather than from the file); default the payload's own."""
         if not isinstance(payload, dict) or payload.get("kind") != KIND:
-            raise ValueError(
+            raise PayloadError(
                 f"not a {KIND} cost model payload (kind={payload.get('kind') if isinstance(payload, dict) else None!r})"
             )
-        if payload.get("feature_names") != list(FEATURE_NAMES):
-            raise ValueError("the cost model was fit on other features; refit it (python -m autoragged.tune --refit)")
+        if require(payload, "feature_version", int) != FEATURE_VERSION or payload.get("feature_names") != list(
+            FEATURE_NAMES
+        ):
+            raise PayloadError(
+                f"the cost model was fit on other features (version {payload['feature_version']}, this autoragged "
+                f"reads {FEATURE_VERSION}); refit it (python -m autoragged.tune --refit)"
+            )
         try:
             absolute = Forest.from_payload(payload)
             relative, reference = None, None
             if payload.get("relative") is not None:
-                relative = Forest.from_payload(payload["relative"])
-                reference = payload["relative"]["reference"]
-            return cls(DeviceKey(**payload["device"]), absolute, dict(payload.get("candidates", {})),
-                       relative=relative, reference=reference)  # fmt: skip
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed cost model payload: {e!r}") from None
+                relative = Forest.from_payload(payload["relative"], "payload.relative")
+                reference = require(payload["relative"], "reference", str, "payload.relative")
+            candidates = check_candidates(payload.get("candidates", {}))
+            stored = DeviceKey(**check_device(require(payload, "device", dict)))
+        except PayloadError as e:
+            raise PayloadError(f"malformed cost model payload: {e}") from None
+        if reference is not None and reference not in REFERENCES:
+            raise PayloadError(f"unknown reference arm {reference!r} (known: {REFERENCES})")
+        return cls(device or stored, absolute, dict(candidates), relative=relative, reference=reference)
 
 
-# -- fitting --------------------------------------------------------------------------------------
 @dataclass
 class _Rows:
     X: np.ndarray

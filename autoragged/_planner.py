@@ -110,6 +110,10 @@ class Planner:
         arms = [PADDED, *self.candidates(stats)]
         predicted = np.array(self.model.predict_ms(self.sig, stats, arms), dtype=float)
         reason = f"cost model ({self.model.name})"
+        unusable = ~(np.isfinite(predicted) & (predicted > 0))
+        if unusable.any():
+            predicted, note = self._replace_unusable(stats, arms, predicted, unusable)
+            reason += note
         measured = self._measured.get(key)
         if measured:
             ratios, unmeasured = [], []
@@ -117,7 +121,8 @@ class Planner:
                 m = measured.get(arm.label)
                 if m is not None and len(m) >= self.min_samples:
                     ms = statistics.median(m)
-                    ratios.append(ms / max(predicted[i], 1e-9))
+                    if np.isfinite(predicted[i]):
+                        ratios.append(ms / max(predicted[i], 1e-9))
                     predicted[i] = ms
                 else:
                     unmeasured.append(i)
@@ -133,13 +138,30 @@ class Planner:
                 predicted[unmeasured] *= scale
                 reason += f" and {used} of {choosable} arms measured on this device (the rest scaled by {scale:.2f})"
         best = int(np.argmin([np.inf if a.mask_only else p for a, p in zip(arms, predicted)]))
-        plan = Plan(arms[best], {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}, reason)
+        if not np.isfinite(predicted[best]):  # no arm has a usable prediction: the module as written
+            best, reason = 0, reason + "; no arm has a finite prediction: padded"
+        finite = {a.label: round(float(p), 4) for a, p in zip(arms, predicted) if np.isfinite(p)}
+        plan = Plan(arms[best], finite, reason)
         self._arms[key] = arms
         self._cache[key] = plan
         if len(self._cache) > _CACHE_SIZE:
             old, _ = self._cache.popitem(last=False)
             self._arms.pop(old, None)
         return plan
+
+    def _replace_unusable(self, stats, arms, predicted, unusable) -> tuple[np.ndarray, str]:
+        """Predictions that are NaN, infinite or not positive (a stored model's leaves can sum to an overflow)
+        are no ranking: such arms take the analytic prior's prediction where the model has one (`.prior`), else
+        inf (never chosen). Returns the predictions and what to add to the plan's reason."""
+        labels = ", ".join(a.label for a, bad in zip(arms, unusable) if bad)
+        prior = getattr(self.model, "prior", None)
+        if prior is not None:
+            with np.errstate(all="ignore"):
+                fallback = np.array(prior.predict_ms(self.sig, stats, arms), dtype=float)
+            predicted = np.where(unusable, fallback, predicted)
+        predicted = np.where(np.isfinite(predicted) & (predicted > 0), predicted, np.inf)
+        how = "the prior's" if prior is not None else "none"
+        return predicted, f"; the model's prediction for {labels} was not finite ({how} used)"
 
     def explore(self, stats: BatchStats, chosen: Arm) -> Arm | None:
         """An arm the planner may choose in this bucket with fewer than `min_samples` measurements (other

@@ -3,6 +3,11 @@
 The forward pass appends a record to a list (no I/O). A daemon thread writes what accumulated every
 few seconds, one transaction per table per flush, and again at interpreter exit; `flush()` writes
 now. A database that cannot be opened costs one warning, never an exception in a forward pass.
+
+Retention: after writing, each flush keeps the newest `keep_decisions` decisions per device and module
+signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `_rollup.rollup`, one more
+transaction per flush, never one per forward). `Recorder.keep_decisions` None (the default) reads
+`$AUTORAGGED_DB_KEEP_DECISIONS` at each flush (default 20,000; "all" keeps every row); an int overrides it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB
+from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB, keep_decisions
 
 __all__ = ["RECORDER", "Recorder"]
 
@@ -21,14 +26,18 @@ log = logging.getLogger("autoragged")
 
 
 class Recorder:
-    def __init__(self, interval_s: float = 5.0, high_water: int = 4096):
+    def __init__(self, interval_s: float = 5.0, high_water: int = 4096, keep_decisions: int | str | None = None):
+        """keep_decisions: decisions kept as rows per (device, signature); None reads the environment at each
+        flush (see the module docstring), "all" keeps every row."""
         self.interval_s = interval_s
         self.high_water = high_water
+        self.keep_decisions = keep_decisions
         self._lock = threading.Lock()  # guards the dict of queues and the thread start, not the appends
         self._wake = threading.Event()
         self._queues: dict[Path, deque] = {}
         self._dbs: dict[Path, TuningDB] = {}
         self._broken: set[Path] = set()
+        self._prune_failed: set[Path] = set()
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()
 
@@ -73,7 +82,10 @@ class Recorder:
         return db
 
     def flush(self) -> int:
-        """Write everything queued so far (one transaction per table and path); returns the rows written."""
+        """Write everything queued so far (one transaction per table and path); returns the rows written.
+
+        A record that cannot be stored (a NaN where a number must be, a value JSON cannot hold) is left out and
+        counted in one warning per flush; every other record of the flush is written."""
         written = 0
         with self._flush_lock:
             for path, q in list(self._queues.items()):
@@ -82,20 +94,64 @@ class Recorder:
                     items.append(q.popleft())
                 if not items or path in self._broken:
                     continue
-                devices = {d.key: d for d, _, _ in items}
-                decisions = [x if isinstance(x, Decision) else x.decision() for _, x, _ in items if x is not None]
-                measurements = [m for _, _, m in items if m is not None]
-                try:
-                    db = self.open_db(path)
-                    for device in devices.values():
-                        db.register_device(device)
-                    written += db.add_decisions(decisions) if decisions else 0
-                    written += db.add_measurements(measurements) if measurements else 0
-                except DatabaseError as e:
-                    self._broken.add(path)
-                    self._queues.pop(path, None)
-                    log.warning("autoragged: not recording decisions any more: %s", e)
+                written += self._write(path, items)
         return written
+
+    def _write(self, path: Path, items: list) -> int:
+        devices = {d.key: d for d, _, _ in items}
+        decisions, bad = _decisions(items)
+        measurements = [m for _, _, m in items if m is not None]
+        written = 0
+        try:
+            db = self.open_db(path)
+            for device in devices.values():
+                db.register_device(device)
+            written += db.add_decisions(decisions, skipped=bad) if decisions else 0
+            written += db.add_measurements(measurements, skipped=bad) if measurements else 0
+        except DatabaseError as e:
+            self._broken.add(path)
+            self._queues.pop(path, None)
+            log.warning("autoragged: not recording decisions any more: %s", e)
+            return written
+        keep = self._keep()
+        if keep is not None and decisions:
+            self._prune(db, keep, {(d.device, d.signature) for d in decisions})
+        if bad:
+            total = sum(x is not None for _, x, _ in items) + len(measurements)
+            log.warning("autoragged: left %d of %d records out of %s: they cannot be stored (%s)",
+                        len(bad), total, path, bad[0][1])  # fmt: skip
+        return written
+
+    def _prune(self, db: TuningDB, keep: int, pairs: set[tuple[str, str]]) -> None:
+        """Bound what the flush wrote (see the module docstring). A failure here (another writer holding the lock
+        past the busy timeout, a damaged file) costs one warning per file and is retried at the next flush: the
+        decisions themselves are written."""
+        from ._rollup import rollup
+
+        try:
+            db.prune_decisions(keep, rollup, pairs=pairs)
+        except Exception as e:  # noqa: BLE001 - retention must never stop the recording
+            if db.path not in self._prune_failed:
+                self._prune_failed.add(db.path)
+                log.warning("autoragged: could not prune old decisions in %s (retried at each flush): %s", db.path, e)
+
+    def _keep(self) -> int | None:
+        if self.keep_decisions is None:
+            return keep_decisions()
+        return None if self.keep_decisions == "all" else self.keep_decisions
+
+
+def _decisions(items: list) -> tuple[list[Decision], list[tuple[object, str]]]:
+    """The queued decisions as `Decision`s, and (record, why) for those that could not be made into one."""
+    decisions, bad = [], []
+    for _, x, _ in items:
+        if x is None:
+            continue
+        try:
+            decisions.append(x if isinstance(x, Decision) else x.decision())
+        except Exception as e:  # noqa: BLE001 - one record must not cost the others theirs
+            bad.append((x, f"{type(e).__name__}: {e}"))
+    return decisions, bad
 
 
 RECORDER = Recorder()

@@ -13,10 +13,17 @@ In a notebook, `summary()` returns the same numbers as dataclasses (the CLI prin
     s = autoragged.report.summary(since="7d")
     s.devices[0].modules[0].saved.vs_padded_pct
 
-Cost: the decisions and measurements in the window are read into Python in full, as dataclasses (a full
-scan: 10^5 decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows; 10^6 is
-acceptable for now, at ~20 s and ~1.6 GB; SQL aggregates would be the next step). `--since` and `--device`
-narrow the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
+Cost: the decisions and measurements in the window are read into Python in full, as dataclasses (10^5
+decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows). The runtime keeps the
+newest `AUTORAGGED_DB_KEEP_DECISIONS` decisions per module as rows (default 20,000) and adds older ones up
+(`_rollup`); the report adds the rows it reads up the same way and merges the stored totals, so its numbers
+cover every batch while it reads at most that many rows per module. For decisions known from totals only,
+`--since` counts from the start of the hour (day, for regret) it falls in. `--since` and `--device` narrow
+the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
+
+A damaged or hostile row (unreadable JSON, wrong types, NULLs, an arm this autoragged does not know) is left
+out, and the report says so in one line per table ("skipped 3 of 120 decisions rows: unreadable predicted_ms
+JSON (ids 4, 9, 12)"); only a file that is no tuning database at all is refused, by name.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
-import functools
 import html
 import io
 import logging
@@ -39,10 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._costmodel import FEATURE_VERSION
-from ._planner import bucket_key
-from .kernels._config import KernelConfig
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
+from ._costmodel import FEATURE_VERSION, KINDS
+from ._rollup import arm_label, rollup
+from ._rollup import forced as _forced
+from .tuning_db import (
+    KEEP_ENV_VAR,
+    BucketTotals,
+    DatabaseError,
+    Decision,
+    DecisionTotals,
+    DeviceKey,
+    Measurement,
+    ModelRecord,
+    Skipped,
+    TuningDB,
+    default_path,
+)  # fmt: skip
 
 __all__ = [
     "main",
@@ -147,7 +165,9 @@ class ModuleSummary:
     other batches ("cost model (prior)", "measured on this device", "exploring (...)", "policy=ragged");
     sampled: batches with a measured latency; mape, mape_batches: mean |predicted - measured| / measured
     (a fraction) over sampled batches whose chosen arm had a prediction, and their count;
-    saved: time saved, a cost-model estimate; regret: measured regret on sampled batches.
+    saved: time saved, a cost-model estimate; regret: measured regret on sampled batches; rolled_up: batches
+    no longer kept one by one, known from the database's hourly totals (`_rollup`; the window then starts at
+    the hour of `since`); the pictures show the batches still kept.
     """
 
     device: str
@@ -164,6 +184,7 @@ class ModuleSummary:
     mape_batches: int
     saved: TimeSaved
     regret: Regret
+    rolled_up: int = 0
 
 
 @dataclass
@@ -217,7 +238,9 @@ class Summary:
     time; applies to decisions and measurements, not to the calibration shown, which is the newest);
     device: the device key the report is limited to (None = all); counts: rows per table in the whole
     file, unfiltered; decisions: decisions in the window; devices: those with decisions, measurements or
-    a cost model, registered ones first.
+    a cost model, registered ones first; skipped: one line per table of the rows left out because they
+    could not be read (damaged or hostile), e.g. "skipped 3 of 120 decisions rows: unreadable predicted_ms
+    JSON (ids 4, 9, 12)".
     """
 
     path: str
@@ -227,40 +250,15 @@ class Summary:
     counts: dict[str, int]
     decisions: int
     devices: list[DeviceSummary] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         """Nothing recorded at all in the file (no decisions, cost models or measurements)."""
-        return not any(self.counts.get(t, 0) for t in ("decisions", "models", "measurements"))
+        return not any(self.counts.get(t, 0) for t in ("decisions", "decision_totals", "models", "measurements"))
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def arm_label(arm: str, config: dict[str, Any] | None) -> str:
-    """The label a decision's arm has in `Decision.predicted_ms`: "padded", or "ragged:" + KernelConfig.short()."""
-    if not config:
-        return arm
-    try:
-        items = tuple(sorted(config.items()))
-    except TypeError:  # unorderable keys: no caching
-        return _config_label(arm, config)
-    try:
-        return _cached_label(arm, items)
-    except TypeError:  # unhashable values
-        return _config_label(arm, config)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_label(arm: str, items: tuple) -> str:  # a report labels every decision several times
-    return _config_label(arm, dict(items))
-
-
-def _config_label(arm: str, config: dict[str, Any]) -> str:
-    try:
-        return f"{arm}:{KernelConfig.from_dict(config).short()}"
-    except (TypeError, ValueError):  # a config written by another autoragged version
-        return f"{arm}:{config_key(config)}"
 
 
 def _label(d: Decision | Measurement) -> str:
@@ -279,11 +277,6 @@ def _shown(label: str, device: str) -> str:
 
 def _is_padded(arm: str) -> bool:
     return arm == "padded" or arm.startswith("padded_")
-
-
-def _forced(d: Decision) -> bool:
-    """Forced by the policy or by a feature the ragged arm lacks: nothing was predicted."""
-    return not d.predicted_ms
 
 
 def parse_since(value: Any, *, now: float | None = None) -> float | None:
@@ -331,11 +324,11 @@ def _matches(query: str, keys: Sequence[str]) -> list[str]:
 
 def _resolve_device(db: TuningDB, query: str, since: float | None) -> str:
     """The one device key equal to `query`, or containing it (case-insensitive); ValueError otherwise."""
-    keys = list(dict.fromkeys([d.key for d in db.devices()] + [m.device for m in db.models()]))
+    registered = db.devices(skipped=Skipped()) + db.models(payload=False, skipped=Skipped())
+    keys = list(dict.fromkeys(getattr(r, "key", None) or r.device for r in registered))
     hits = _matches(query, keys)
     if not hits:  # rows written by hand need not have a registered device: look at the rows themselves
-        seen = {d.device for d in db.decisions(since=since)} | {m.device for m in db.measurements(since=since)}
-        keys += sorted(seen - set(keys))
+        keys += [k for k in db.device_keys(since=since) if k not in keys]
         hits = _matches(query, keys)
     if len(hits) == 1:
         return hits[0]
@@ -361,6 +354,14 @@ class _Records:
     models: list[ModelRecord]
     decisions: list[Decision]
     measurements: list[Measurement]
+    totals: list[DecisionTotals] = field(default_factory=list)  # decisions no longer kept as rows, added up
+    buckets: list[BucketTotals] = field(default_factory=list)
+    skipped: Skipped = field(default_factory=Skipped)
+
+
+def _known_arm(record: Decision | Measurement) -> str | None:
+    """The problem with a row whose arm this autoragged does not know (a reader's `check`), or None."""
+    return None if record.arm in KINDS else "unknown arm kind"
 
 
 def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
@@ -369,16 +370,20 @@ def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
     key = None
     if device is not None:
         key = device.key if isinstance(device, DeviceKey) else _resolve_device(db, device, since_s)
+    skipped = Skipped()  # damaged rows are left out and counted: the report shows everything else
     return _Records(
         path=db.path,
         generated=time.time(),
         since=since_s,
         device=key,
         counts=db.counts(),
-        registered=db.devices(),
-        models=db.models(key),
-        decisions=db.decisions(device=key, since=since_s),
-        measurements=db.measurements(device=key, since=since_s),
+        registered=db.devices(skipped=skipped),
+        models=db.models(key, payload=False, skipped=skipped),
+        decisions=db.decisions(device=key, since=since_s, skipped=skipped, check=_known_arm),
+        measurements=db.measurements(device=key, since=since_s, skipped=skipped, check=_known_arm),
+        totals=db.decision_totals(device=key, since=since_s, skipped=skipped),
+        buckets=db.decision_buckets(device=key, since=since_s, skipped=skipped),
+        skipped=skipped,
     )
 
 
@@ -403,31 +408,22 @@ def _read(db: TuningDB | str | os.PathLike[str] | None, device: Any, since: Any)
 # --------------------------------------------------------------------------------------- summarizing
 
 
+def _most_first(counter: Counter[str]) -> list[tuple[str, int]]:
+    """Most frequent first, ties by name: the same order however the rows and totals were added up."""
+    return sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def _shares(counter: Counter[str], total: int) -> list[Share]:
-    return [Share(label, n, n / total) for label, n in counter.most_common()]
+    return [Share(label, n, n / total) for label, n in _most_first(counter)]
 
 
-def _mape(decisions: Iterable[Decision]) -> tuple[float | None, int]:
-    errors = [
-        abs(d.predicted_ms[_label(d)] - d.measured_ms) / d.measured_ms
-        for d in decisions
-        if d.measured_ms is not None and d.measured_ms > 0 and _label(d) in d.predicted_ms
-    ]
-    return (statistics.fmean(errors) if errors else None), len(errors)
-
-
-def _time_saved(decisions: Iterable[Decision]) -> TimeSaved:
+def _time_saved(totals: Iterable[DecisionTotals]) -> TimeSaved:
     s = TimeSaved()
-    for d in decisions:
-        predicted = d.predicted_ms
-        chosen, padded = predicted.get(_label(d)), predicted.get("padded")
-        ragged = [ms for label, ms in predicted.items() if label.startswith("ragged:")]
-        if chosen is None or padded is None or not ragged:
-            continue
-        s.batches += 1
-        s.chosen_ms += chosen
-        s.always_padded_ms += padded
-        s.always_ragged_ms += min(ragged)
+    for t in totals:
+        s.batches += t.saved_batches
+        s.chosen_ms += t.chosen_ms
+        s.always_padded_ms += t.padded_ms
+        s.always_ragged_ms += t.ragged_ms
     s.vs_padded_ms = s.always_padded_ms - s.chosen_ms
     s.vs_ragged_ms = s.always_ragged_ms - s.chosen_ms
     s.vs_padded_pct = 100 * s.vs_padded_ms / s.always_padded_ms if s.always_padded_ms > 0 else None
@@ -435,58 +431,76 @@ def _time_saved(decisions: Iterable[Decision]) -> TimeSaved:
     return s
 
 
-def _exploring(d: Decision) -> bool:
-    return d.reason.startswith("exploring")
-
-
-def _regret(decisions: Iterable[Decision]) -> Regret:
-    sampled = [d for d in decisions if d.measured_ms is not None and d.measured_ms > 0 and not _forced(d)]
-    by_bucket: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for d in sampled:
-        by_bucket[bucket_key(d.stats)][_label(d)].append(d.measured_ms)
-    means = {b: {label: statistics.fmean(ms) for label, ms in arms.items()} for b, arms in by_bucket.items()}
-    evaluated = {b for b, m in means.items() if len(m) >= 2}
-    regrets = []
-    for d in sampled:
-        b = bucket_key(d.stats)
-        if b in evaluated and not _exploring(d):
-            regrets.append(means[b][_label(d)] / min(means[b].values()) - 1.0)
+def _regret(buckets: Iterable[BucketTotals]) -> Regret:
+    """From the timed planner batches per bucket and label: each label's mean latency in its bucket, and the
+    regret of every (not exploring) batch against its bucket's best mean."""
+    by_bucket: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0.0]))
+    for b in buckets:  # per bucket and label: [timed batches, exploring ones, sum of their ms]
+        cell = by_bucket[b.bucket][b.label]
+        cell[0] += b.sampled
+        cell[1] += b.exploring
+        cell[2] += b.measured_sum
+    regret_sum, counted, worst, exploring, evaluated = 0.0, 0, None, 0, 0
+    for cells in by_bucket.values():
+        exploring += sum(c[1] for c in cells.values())
+        if len(cells) < 2:
+            continue
+        evaluated += 1
+        means = {label: c[2] / c[0] for label, c in cells.items()}
+        best = min(means.values())
+        for label, (n, explored, _) in cells.items():
+            if n > explored:
+                r = means[label] / best - 1.0
+                regret_sum += (n - explored) * r
+                counted += n - explored
+                worst = r if worst is None else max(worst, r)
     return Regret(
-        buckets=len(means),
-        evaluated_buckets=len(evaluated),
-        batches=len(regrets),
-        mean=statistics.fmean(regrets) if regrets else None,
-        max=max(regrets) if regrets else None,
-        exploring=sum(map(_exploring, sampled)),
+        buckets=len(by_bucket),
+        evaluated_buckets=evaluated,
+        batches=counted,
+        mean=regret_sum / counted if counted else None,
+        max=worst,
+        exploring=exploring,
     )
 
 
-def _module(device: str, signature: str, decisions: list[Decision]) -> ModuleSummary:
-    n = len(decisions)
-    fallbacks = Counter(d.reason for d in decisions if _forced(d) and _is_padded(d.arm))
-    decided = Counter(d.reason for d in decisions if not (_forced(d) and _is_padded(d.arm)))
-    mape, mape_batches = _mape(decisions)
+def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: list[BucketTotals],
+            rolled_up: int) -> ModuleSummary:  # fmt: skip
+    n = sum(t.batches for t in totals)
+    arms, configs, fallbacks, decided = Counter(), Counter(), Counter(), Counter()
+    for t in totals:
+        arms[t.arm] += t.batches
+        configs[t.label] += t.batches
+        (fallbacks if t.forced and _is_padded(t.arm) else decided)[t.reason] += t.batches
+    ape_batches = sum(t.ape_batches for t in totals)
     return ModuleSummary(
         device=device,
         signature=signature,
         batches=n,
-        first=min(d.time for d in decisions),
-        last=max(d.time for d in decisions),
-        arms=_shares(Counter(d.arm for d in decisions), n),
-        configs=_shares(Counter(map(_label, decisions)), n),
-        fallback_reasons=dict(fallbacks.most_common()),
-        decided_by=dict(decided.most_common()),
-        sampled=sum(d.measured_ms is not None for d in decisions),
-        mape=mape,
-        mape_batches=mape_batches,
-        saved=_time_saved(decisions),
-        regret=_regret(decisions),
+        first=min(t.first for t in totals),
+        last=max(t.last for t in totals),
+        arms=_shares(arms, n),
+        configs=_shares(configs, n),
+        fallback_reasons=dict(_most_first(fallbacks)),
+        decided_by=dict(_most_first(decided)),
+        sampled=sum(t.sampled for t in totals),
+        mape=sum(t.ape_sum for t in totals) / ape_batches if ape_batches else None,
+        mape_batches=ape_batches,
+        saved=_time_saved(totals),
+        regret=_regret(buckets),
+        rolled_up=rolled_up,
     )
 
 
-def _metric(metrics: dict[str, Any], name: str) -> Any:
+def _metric(metrics: dict[str, Any], name: str, kind: type = float) -> Any:
+    """metrics[name] when it is a finite number (kind float), an int (kind int) or a str (kind str), else None:
+    the metrics of a model written by another version, or by hand, may hold anything."""
     value = metrics.get(name)
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+    if isinstance(value, bool):
+        return None
+    if kind is float:
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return value if isinstance(value, kind) else None
 
 
 def _calibration(model: ModelRecord) -> Calibration:
@@ -502,23 +516,48 @@ def _calibration(model: ModelRecord) -> Calibration:
         mean_regret=_metric(m, "mean_regret"),
         p95_regret=_metric(m, "p95_regret"),
         mape=_metric(m, "mape"),
-        holdout=_metric(m, "holdout"),
-        rows=_metric(m, "rows"),
+        holdout=_metric(m, "holdout", str),
+        rows=_metric(m, "rows", int),
         metrics=m,
     )
 
 
+def _calibrated_by(models: list[ModelRecord]) -> ModelRecord | None:
+    """The model the runtime reads: the newest of this autoragged's feature version; else the newest of all
+    (shown as ignored)."""
+    current = [m for m in models if m.feature_version == FEATURE_VERSION]
+    return max(current or models, key=lambda m: (m.created, m.id)) if models else None
+
+
 def _device_order(rec: _Records) -> list[str]:
     present = {d.device for d in rec.decisions} | {m.device for m in rec.measurements} | {m.device for m in rec.models}
+    present |= {t.device for t in rec.totals}
     registered = [d.key for d in rec.registered if d.key in present]
     return registered + sorted(present - set(registered))
 
 
+def _by_module(rec: _Records) -> dict[str, dict[str, tuple[list, list, int]]]:
+    """device -> signature -> (totals, bucket totals, batches known from stored totals only): the rows read,
+    added up as the database adds up the rows it prunes, beside what it already added up."""
+    out: dict[str, dict[str, tuple[list, list, int]]] = defaultdict(dict)
+
+    def entry(device: str, signature: str) -> tuple[list, list, int]:
+        return out[device].setdefault(signature, ([], [], 0))
+
+    totals, buckets = rollup(rec.decisions)
+    for t in [*totals, *rec.totals]:
+        entry(t.device, t.signature)[0].append(t)
+    for b in [*buckets, *rec.buckets]:
+        entry(b.device, b.signature)[1].append(b)
+    for t in rec.totals:
+        ts, bs, rolled = entry(t.device, t.signature)
+        out[t.device][t.signature] = (ts, bs, rolled + t.batches)
+    return out
+
+
 def _summarize(rec: _Records) -> Summary:
     names = {d.key: d.name for d in rec.registered}
-    decisions: dict[str, dict[str, list[Decision]]] = defaultdict(lambda: defaultdict(list))
-    for d in rec.decisions:
-        decisions[d.device][d.signature].append(d)
+    decisions = _by_module(rec)
     sources: dict[str, Counter[str]] = defaultdict(Counter)
     for m in rec.measurements:
         sources[m.device][m.source] += 1
@@ -527,9 +566,9 @@ def _summarize(rec: _Records) -> Summary:
         models[m.device].append(m)
     devices = []
     for key in _device_order(rec):
-        modules = [_module(key, sig, ds) for sig, ds in decisions[key].items()]
+        modules = [_module(key, sig, *parts) for sig, parts in decisions[key].items() if parts[0]]
         modules.sort(key=lambda m: (-m.batches, m.signature))
-        newest = max(models[key], key=lambda m: (m.created, m.id)) if models[key] else None
+        newest = _calibrated_by(models[key])
         devices.append(
             DeviceSummary(
                 key=key,
@@ -548,8 +587,9 @@ def _summarize(rec: _Records) -> Summary:
         since=rec.since,
         device=rec.device,
         counts=rec.counts,
-        decisions=len(rec.decisions),
+        decisions=sum(d.decisions for d in devices),
         devices=devices,
+        skipped=rec.skipped.lines(),
     )
 
 
@@ -604,6 +644,7 @@ def _header_blocks(s: Summary) -> list[tuple]:
         ("p", "Time saved is a cost-model ESTIMATE (predicted latencies), not a measurement. MAPE and regret "
               "are measured, on the sampled batches only."),
     ]  # fmt: skip
+    blocks += [("p", f"{line[0].upper()}{line[1:]}.") for line in s.skipped]  # damaged rows, left out
     if not s.devices:
         blocks.append(("p", f"No decisions, measurements or cost models match ({window}; {scope})."))
     return blocks
@@ -683,11 +724,18 @@ def _checks_rows(m: ModuleSummary) -> list[tuple]:
     ]
 
 
+def _rolled_note(m: ModuleSummary) -> str:
+    if not m.rolled_up:
+        return ""
+    return (f" {m.rolled_up} of them are counted in hourly totals only: the database keeps the newest decisions "
+            f"of each module one by one ({KEEP_ENV_VAR}), and the pictures show those.")  # fmt: skip
+
+
 def _module_blocks(m: ModuleSummary) -> list[tuple]:
     configs = [(_shown(s.label, m.device), s.batches, _pct(s.share)) for s in m.configs]
     blocks: list[tuple] = [
         ("h", 3, f"module {m.signature}"),
-        ("p", f"{_count_of(m.batches, 'batch')} from {_when(m.first)} to {_when(m.last)}."),
+        ("p", f"{_count_of(m.batches, 'batch')} from {_when(m.first)} to {_when(m.last)}." + _rolled_note(m)),
         ("table", ["arm", "batches", "share"], [(s.label, s.batches, _pct(s.share)) for s in m.arms]),
         ("table", ["arm and config", "batches", "share"], configs),
     ]
@@ -1011,11 +1059,21 @@ def main(argv: list[str] | None = None) -> int:
     except (DatabaseError, ValueError) as e:
         log.error("%s", e)
         return 2
-    s = _summarize(rec)
+    except Exception as e:  # noqa: BLE001 - whatever the file holds: name it, no traceback
+        log.error("cannot read %s: %s: %s (python -m autoragged.report -v shows where)", args.db or default_path(),
+                  type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+        return 2
+    try:
+        s = _summarize(rec)
+        text = render_text(s)
+    except Exception as e:  # noqa: BLE001 - a row no check foresaw: say which file, not a traceback
+        log.error("cannot report on %s: %s: %s (python -m autoragged.report -v shows where)", rec.path,
+                  type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+        return 2
     if s.empty:
         print(EMPTY_MESSAGE.format(path=s.path))
         return 0
-    print(render_text(s), end="")
+    print(text, end="")
     if args.html:
         try:
             out = _write_html(rec, s, args.html)

@@ -277,10 +277,16 @@ class _Context:
         name = f"autoragged|{self.key.key}|{sig.key}|max_len<={bucket}"
         if name not in self._studies:
             self._studies[name] = self.optuna.create_study(
-                study_name=name, storage=self.db.optuna_storage_url(), load_if_exists=True, direction="minimize",
+                study_name=name, storage=self._storage(), load_if_exists=True, direction="minimize",
                 sampler=self.optuna.samplers.TPESampler(seed=hash(name) % 2**31, n_startup_trials=6),
             )  # fmt: skip
         return self._studies[name]
+
+    def _storage(self):
+        """optuna's storage in the tuning database's own file, connected by path: the URL alone would name
+        another file on SQLAlchemy < 2 when the path holds ?, #, % or spaces (see TuningDB.optuna_storage_url)."""
+        url, kwargs = self.db.optuna_storage_url(), self.db.optuna_engine_kwargs()
+        return self.optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
 
 
 # What fitting and evaluating the model takes, by the measurements it is fit on: on the H100 machine's host

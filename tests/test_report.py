@@ -3,8 +3,10 @@ real (CPU) run of a wrapped model plus hand-made decisions with known prediction
 terminal tables, the HTML page, and the error paths (missing, empty, corrupt file; bad filters)."""
 
 import base64
+import dataclasses
 import datetime as dt
 import re
+import sqlite3
 import statistics
 import sys
 import time
@@ -398,3 +400,178 @@ def test_help_has_an_example(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "examples:" in out and "python -m autoragged.report --since 2h --device H100" in out
+
+
+# ------------------------------------------------------------------------------------------ damaged rows
+
+
+def _copy(path, tmp_path):
+    """A copy of a database (WAL included) that a test may damage."""
+    out = tmp_path / "copy.sqlite"
+    src, dst = sqlite3.connect(path), sqlite3.connect(out)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return out
+
+
+def _loosen(conn, table):
+    """The table without its NOT NULL constraints: a hostile file need not keep our schema's."""
+    columns = conn.execute(f"PRAGMA table_info({table})").fetchall()  # cid, name, type, notnull, default, pk
+    spec = ", ".join(f"[{c[1]}] {c[2]}" + (" PRIMARY KEY" if c[5] == 1 and table != "devices" else "") for c in columns)
+    conn.execute(f"ALTER TABLE {table} RENAME TO old_{table}")
+    conn.execute(f"CREATE TABLE {table} ({spec})")
+    conn.execute(f"INSERT INTO {table} SELECT * FROM old_{table}")
+    conn.execute(f"DROP TABLE old_{table}")
+
+
+# (table, row, raw SQL values, the problem the report names); decisions 1-23 are the CPU run's, measurements and
+# models the H100's (model 1 is of the previous feature version, 2 the calibration)
+DAMAGE = [
+    ("decisions", 1, {"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
+    ("decisions", 2, {"predicted_ms": "'[1, 2]'"}, "predicted_ms is not a JSON object"),
+    ("decisions", 3, {"predicted_ms": "'{\"padded\": \"1\"}'"}, "predicted_ms holds a value that is not a finite"),
+    ("decisions", 4, {"config": "'{\"block_m\": '"}, "unreadable config JSON"),
+    ("decisions", 5, {"batch": "'four'"}, "batch is not a non-negative integer"),
+    ("decisions", 6, {"arm": "'banana'"}, "unknown arm kind"),
+    ("decisions", 7, {"time": "NULL"}, "time is not a finite number"),
+    ("decisions", 8, {"reason": "NULL"}, "reason is NULL"),
+    ("decisions", 9, {"measured_ms": "'fast'"}, "measured_ms is not a finite number"),
+    ("decisions", 10, {"mean": "'wide'", "std": "NULL"}, "mean is not a finite number"),
+    ("decisions", 11, {"predicted_ms": "'" + "[" * 50_000 + "]" * 50_000 + "'"}, "predicted_ms JSON is nested too"),
+    ("decisions", 12, {"config": "'{\"block_m\": [1]}'"}, None),  # readable: labelled by the config's hash
+    ("measurements", 1, {"extra": "'{'"}, "unreadable extra JSON"),
+    ("measurements", 2, {"median_ms": "NULL"}, "median_ms is not a finite number"),
+    ("measurements", 3, {"arm": "'banana'"}, "unknown arm kind"),
+    ("measurements", 4, {"reps": "-3"}, "reps is not a non-negative integer"),
+    ("models", 1, {"metrics": "'[1]'", "payload": "'not JSON at all'"}, "metrics is not a JSON object"),
+    ("devices", H100.key, {"sm_count": "'many'"}, "sm_count is not a non-negative integer"),
+]
+
+
+def test_damaged_rows_are_skipped_and_counted_per_table(filled, tmp_path, capsys):
+    path, cpu, _ = filled
+    path = _copy(path, tmp_path)
+    conn = sqlite3.connect(path)
+    with conn:
+        for table in ("decisions", "measurements"):
+            _loosen(conn, table)
+        for table, row, values, _ in DAMAGE:
+            sets = ", ".join(f"{c} = {v}" for c, v in values.items())
+            conn.execute(f"UPDATE {table} SET {sets} WHERE {'key' if table == 'devices' else 'id'} = ?", [row])
+        # a model of another feature version, newer than the calibration, whose payload is not JSON: ignored
+        conn.execute("INSERT INTO models (device, signature, feature_version, kind, payload, metrics, created) "
+                     "VALUES (?, '*', ?, 'gbt-arrays', '[[[', '{\"accuracy\": \"high\", \"rows\": 1.5}', ?)",
+                     [H100.key, FEATURE_VERSION + 1, time.time()])  # fmt: skip
+    conn.close()
+    assert report.main(["--db", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("Skipped")]
+    assert [line.split(":")[0] for line in lines] == [
+        "Skipped 1 of 2 devices rows", "Skipped 1 of 3 models rows", "Skipped 11 of 31 decisions rows",
+        "Skipped 4 of 8 measurements rows",
+    ]  # fmt: skip
+    text = "\n".join(lines)
+    for table, row, _, problem in DAMAGE:
+        if problem is not None and table != "decisions" or row in (5, 6, 7, 8, 9, 10):
+            assert f"{problem} ({'key' if table == 'devices' else 'id'} {row})" in text, (problem, row)
+    assert "unreadable predicted_ms JSON (id 1)" in text and "predicted_ms is not a JSON object (id 2)" in text
+    s = report.summary(path)
+    dev = next(d for d in s.devices if d.key == cpu)
+    assert dev.decisions == REAL_FORWARDS - 11 and sum(sh.batches for sh in dev.modules[0].configs) == dev.decisions
+    h100 = next(d for d in s.devices if d.key == H100.key)
+    assert h100.name is None and h100.measurements == 4 and h100.models == 2  # the device row is unreadable
+    assert h100.calibration.model_id == 2 and h100.calibration.accuracy == 0.9  # the runtime's model, not id 3
+    assert _module(s, H100.key, CORA).batches == 7  # the hand-made numbers are untouched
+    assert s.skipped == [line[0].lower() + line[1:-1] for line in lines]
+
+
+def test_a_calibration_with_odd_metrics_is_shown_without_them(tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:
+        metrics = {"accuracy": "high", "mean_regret": True, "rows": 1.5, "holdout": 3, "mape": 1e308 * 10}
+        db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={},
+                      metrics={k: v for k, v in metrics.items() if k != "mape"})  # fmt: skip
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| decision accuracy \(held out\) +\| - +\|", out) and "| fit rows" in out
+    c = report.summary(path).devices[0].calibration
+    assert (c.accuracy, c.mean_regret, c.rows, c.holdout) == (None, None, None, None)
+
+
+def test_a_sqlite_file_that_is_no_tuning_database_is_refused_by_name(tmp_path, capsys):
+    path = tmp_path / "other.sqlite"
+    sqlite3.connect(path).execute("CREATE TABLE decisions (x)").connection.close()
+    assert report.main(["--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is not a tuning database" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------ retention
+
+
+def _numbers(module) -> dict:
+    """A module summary's numbers, floats to 9 digits (sums taken in another order), without rolled_up."""
+
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 9)
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return value
+
+    numbers = dataclasses.asdict(module)
+    numbers.pop("rolled_up")
+    return rounded(numbers)
+
+
+def test_the_numbers_are_the_same_once_decisions_are_added_up(filled, tmp_path, capsys):
+    from autoragged._rollup import rollup
+
+    path = _copy(filled[0], tmp_path)
+    windows = (None, "7d", "5m")
+    before = {since: report.summary(path, since=since) for since in windows}
+    with TuningDB.open(path) as db:
+        assert db.prune_decisions(2, rollup) == (REAL_FORWARDS - 2) + (7 - 2)  # the old signature has one
+        assert db.counts()["decisions"] == 5 and db.counts()["decision_totals"] > 0
+    for since in windows:
+        after = report.summary(path, since=since)
+        assert after.decisions == before[since].decisions, since
+        devices = zip(before[since].devices, after.devices)
+        pairs = [(b, a) for dev_b, dev_a in devices for b, a in zip(dev_b.modules, dev_a.modules)]
+        assert len(pairs) == {None: 3, "7d": 2, "5m": 1}[since]
+        for b, a in pairs:
+            assert _numbers(a) == _numbers(b), (since, b.signature)
+            assert a.rolled_up == b.batches - min(b.batches, 2) and b.rolled_up == 0
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{REAL_FORWARDS - 2} of them are counted in hourly totals only" in out and "AUTORAGGED_DB_KEEP" in out
+    assert re.search(rf"\| {re.escape(LA)} +\| +3 \| +42\.9% \|", out)  # the hand-made shares, as before
+
+
+def test_a_wrapped_model_keeps_the_newest_decisions_and_reports_all(tmp_path, monkeypatch):
+    from autoragged import _ragged, ops
+
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+    monkeypatch.setenv("AUTORAGGED_DB_KEEP_DECISIONS", "4")
+    path = tmp_path / "t.sqlite"
+    layer = nn.TransformerEncoderLayer(32, 2, 32, batch_first=True, dropout=0.0)
+    model = autoragged.wrap(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval(), db=path)
+    with torch.no_grad():
+        for i in range(10):
+            model(torch.randn(2, 8 + i, 32), lengths=[8 + i, 3])
+            if i == 4:
+                autoragged.flush()  # two flushes: the second prunes what the first kept
+    autoragged.unwrap(model)
+    with TuningDB.open(path) as db:
+        kept = db.decisions()
+        assert [d.stats.max_len for d in kept] == [14, 15, 16, 17] and sum(t.batches for t in db.decision_totals()) == 6
+    s = report.summary(path)
+    (m,) = s.devices[0].modules
+    assert (m.batches, m.rolled_up, sum(sh.batches for sh in m.arms)) == (10, 6, 10)

@@ -21,10 +21,13 @@ from autoragged.tuning_db import (
     BatchStats,
     DatabaseError,
     Decision,
+    DecisionTotals,
     DeviceKey,
     Measurement,
     ModelRecord,
     ModuleSignature,
+    RowError,
+    Skipped,
     TuningDB,
     config_key,
     default_path,
@@ -36,7 +39,8 @@ from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_db_worker.py")
-OUR_TABLES = {"_migrations", "devices", "kernel_configs", "measurements", "models", "decisions", "tune_items"}
+OUR_TABLES = {"_migrations", "devices", "kernel_configs", "measurements", "models", "decisions", "tune_items",
+              "decision_totals", "decision_buckets"}  # fmt: skip
 N_MIGRATIONS = len(mig.MIGRATIONS)
 
 H100 = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0")
@@ -107,7 +111,7 @@ def test_fresh_file_has_every_table_in_wal_mode_at_latest_version(tmp_path):
     path = tmp_path / "new" / "dir" / "t.sqlite"  # parent directories are created
     with TuningDB.open(path) as db:
         assert db.path == path
-        assert db.schema_version == N_MIGRATIONS == 2
+        assert db.schema_version == N_MIGRATIONS == 3
         assert db._conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
         assert db.counts() == dict.fromkeys(mig.DATA_TABLES, 0)
     assert OUR_TABLES <= tables(path)
@@ -202,12 +206,11 @@ def test_a_failing_migration_rolls_back_alone(tmp_path, monkeypatch):
         db["half_done"].create({"x": int})
         raise RuntimeError("migration bug")
 
-    monkeypatch.setattr(mig, "MIGRATIONS", [*mig.MIGRATIONS, ("0003_boom", boom)])
+    monkeypatch.setattr(mig, "MIGRATIONS", [*mig.MIGRATIONS, ("0099_boom", boom)])
     with pytest.raises(RuntimeError, match="migration bug"):
         TuningDB.open(path)
     assert [n for (n,) in query(path, "SELECT name FROM _migrations ORDER BY name")] == [
-        "0001_initial",
-        "0002_indexes_and_tune_items",
+        name for name, _ in mig.MIGRATIONS[:-1]
     ]
     assert "half_done" not in tables(path)  # the failed migration's DDL was rolled back with it
     monkeypatch.undo()
@@ -277,6 +280,82 @@ def test_json_columns_refuse_what_json_cannot_hold_and_write_nothing(db):
     with pytest.raises(TypeError, match="never pickle"):
         db.add_measurements([measurement(0, extra={"array": {1, 2}})])
     assert db.counts()["decisions"] == db.counts()["measurements"] == 0
+
+
+def _damage(path: Path, table: str, row_id: int, **columns) -> None:
+    """Set columns of one row to raw SQL values (text where a number belongs, broken JSON, ...)."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            sets = ", ".join(f"{c} = {v}" for c, v in columns.items())
+            conn.execute(f"UPDATE {table} SET {sets} WHERE {'key' if table == 'devices' else 'id'} = ?", [row_id])
+    finally:
+        conn.close()
+
+
+DAMAGED_DECISIONS = {  # row id -> (columns set to raw SQL, the problem a reader reports)
+    2: ({"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
+    3: ({"predicted_ms": "'{\"padded\": \"fast\"}'"}, "predicted_ms holds a value that is not a finite number"),
+    4: ({"batch": "'many'"}, "batch is not a non-negative integer"),
+    5: ({"time": "'yesterday'"}, "time is not a finite number"),
+    6: ({"config": "'[1, 2]'"}, "config is not a JSON object"),
+    7: ({"measured_ms": "'slow'"}, "measured_ms is not a finite number"),
+    8: ({"predicted_ms": "'" + "[" * 100_000 + "]" * 100_000 + "'"}, "predicted_ms JSON is nested too deeply"),
+    9: ({"predicted_ms": "'{\"padded\": NaN}'"}, "unreadable predicted_ms JSON"),
+    10: ({"device": "zeroblob(2)"}, "device is not text"),  # a 42 would be stored as the text '42'
+    11: ({"batch": "4"}, None),  # not damaged: read back as it is
+}
+
+
+def test_damaged_rows_raise_a_row_error_or_are_skipped_and_counted(db):
+    db.add_decisions([decision(i) for i in range(12)])
+    for row_id, (columns, _) in DAMAGED_DECISIONS.items():
+        _damage(db.path, "decisions", row_id, **columns)
+    _damage(db.path, "decisions", 12, reason="CAST(X'C3FF' AS TEXT)")  # invalid UTF-8: read, not fatal
+    with pytest.raises(RowError, match=rf"decisions row 2 of the tuning database {db.path}: unreadable predicted_ms"):
+        db.decisions()
+    skipped = Skipped()
+    kept = db.decisions(skipped=skipped)
+    assert [d.time for d in kept] == [1000.0, 1010.0, 1011.0] and kept[1].reason == "cost model"
+    assert kept[2].stats.batch == 4 and kept[-1].reason != "cost model"  # row 12: replacement characters
+    assert skipped.count("decisions") == 9 and skipped.seen["decisions"] == 12
+    (line,) = skipped.lines()
+    assert line.startswith("skipped 9 of 12 decisions rows: unreadable predicted_ms JSON (ids 2, 9); ")
+    for row_id, (_, problem) in DAMAGED_DECISIONS.items():
+        if problem and row_id not in (2, 9):
+            assert f"{problem} (id {row_id})" in line
+
+
+def test_damaged_measurements_models_and_devices_are_skipped(db):
+    db.register_device(H100)
+    db.register_device(CPU)
+    db.add_measurements([measurement(i) for i in range(4)])
+    for i in range(3):
+        db.save_model(device=H100, feature_version=1, kind="k", payload={"v": i}, metrics={"mape": 0.1})
+    _damage(db.path, "measurements", 1, extra="'nope'")
+    _damage(db.path, "measurements", 2, median_ms="'x'")
+    _damage(db.path, "models", 1, metrics="'['")
+    _damage(db.path, "models", 2, created="'today'")
+    _damage(db.path, "devices", CPU.key, sm_count="'lots'")
+    skipped = Skipped()
+    assert [m.time for m in db.measurements(skipped=skipped)] == [1002.0, 1003.0]
+    assert [m.payload for m in db.models(skipped=skipped)] == [{"v": 2}]
+    assert [(m.id, m.payload) for m in db.models(payload=False, skipped=Skipped())] == [(3, None)]
+    assert db.devices(skipped=skipped) == [H100]
+    assert skipped.lines() == [
+        "skipped 2 of 4 measurements rows: unreadable extra JSON (id 1); median_ms is not a finite number (id 2)",
+        "skipped 2 of 3 models rows: unreadable metrics JSON (id 1); created is not a finite number (id 2)",
+        f"skipped 1 of 2 devices rows: sm_count is not a non-negative integer (key {CPU.key})",
+    ]
+    with pytest.raises(RowError, match="models row 2 .*created is not a finite number.*--refit"):
+        db.latest_model(H100, feature_version=1)  # the newest row is damaged: an error, never an older model
+
+
+def test_latest_model_refuses_a_payload_over_the_cap_before_reading_it(db):
+    db.save_model(device=H100, feature_version=1, kind="k", payload={"pad": "x" * 5000}, metrics={})
+    assert db.latest_model(H100, max_payload_bytes=10_000).payload == {"pad": "x" * 5000}
+    with pytest.raises(RowError, match=r"models row 1 .*payload is 5,010 bytes, over the 1,000 read at most"):
+        db.latest_model(H100, max_payload_bytes=1000)
 
 
 # ---------------------------------------------------------------------------------------------- filters
@@ -422,7 +501,105 @@ def test_counts(db):
         "models": 1,
         "decisions": 5,
         "tune_items": 2,
+        "decision_totals": 0,
+        "decision_buckets": 0,
     }
+
+
+# -------------------------------------------------------------------------------------------- retention
+
+
+def _count_rollup(decisions):
+    """A stand-in for autoragged's rollup: one totals record per (device, signature, arm), batches and time range."""
+    out: dict = {}
+    for d in decisions:
+        t = DecisionTotals(d.device, d.signature, 0.0, d.arm, d.arm, "r", False, 1, d.time, d.time,
+                           sampled=int(d.measured_ms is not None), measured_sum=d.measured_ms or 0.0,
+                           measured_min=d.measured_ms, measured_max=d.measured_ms)  # fmt: skip
+        key = (d.device, d.signature, d.arm)
+        if key in out:
+            out[key].merge(t)
+        else:
+            out[key] = t
+    return list(out.values()), []
+
+
+def test_prune_keeps_the_newest_per_signature_and_adds_the_rest_up(db):
+    db.add_decisions([decision(i, measured_ms=float(i) if i % 3 == 0 else None) for i in range(10)])
+    db.add_decisions([decision(i, signature="other", t=5000.0) for i in range(3)])
+    seen = []
+
+    def rollup(decisions):
+        seen.append([d.time for d in decisions])
+        return _count_rollup(decisions)
+
+    statements: list[str] = []
+    db._conn.set_trace_callback(statements.append)
+    assert db.prune_decisions(4, rollup) == 6
+    db._conn.set_trace_callback(None)
+    assert [s for s in statements if s.startswith("BEGIN")] == ["BEGIN IMMEDIATE"]  # one transaction for all
+    assert seen == [[1000.0 + i for i in range(6)]]  # the oldest six of ENC; "other" has only three
+    assert [d.time for d in db.decisions(signature=ENC)] == [1006.0 + i for i in range(4)]
+    assert len(db.decisions(signature="other")) == 3
+    (t,) = db.decision_totals()
+    assert (t.batches, t.first, t.last, t.sampled, t.measured_sum, t.measured_min, t.measured_max) == (
+        6, 1000.0, 1005.0, 2, 3.0, 0.0, 3.0
+    )
+    db.add_decisions([decision(i) for i in (20, 21)])
+    assert db.prune_decisions(4, rollup, pairs=[(H100.key, ENC.key)]) == 2  # totals merge: sums add, min/max
+    (t,) = db.decision_totals()
+    assert (t.batches, t.first, t.last, t.sampled, t.measured_sum, t.measured_max) == (8, 1000.0, 1007.0, 3, 9.0, 6.0)
+    assert db.decision_totals(since=1007.0) == [t] and db.decision_totals(since=1007.5) == []
+    assert db.decision_totals(device=CPU) == [] and db.counts()["decisions"] == 4 + 3
+    assert db.prune_decisions(0, _count_rollup) == 7 and db.counts()["decisions"] == 0
+    with pytest.raises(ValueError, match="keep must be an int >= 0"):
+        db.prune_decisions(-1, _count_rollup)
+
+
+def test_prune_deletes_unreadable_rows_without_counting_them(db):
+    db.add_decisions([decision(i) for i in range(5)])
+    _damage(db.path, "decisions", 1, predicted_ms="'{'")
+    assert db.prune_decisions(2, _count_rollup) == 3
+    (t,) = db.decision_totals()
+    assert t.batches == 2 and len(db.decisions()) == 2
+
+
+def test_a_failing_rollup_prunes_nothing(db):
+    db.add_decisions([decision(i) for i in range(5)])
+
+    def broken(decisions):
+        raise RuntimeError("rollup bug")
+
+    with pytest.raises(RuntimeError, match="rollup bug"):
+        db.prune_decisions(1, broken)
+    assert len(db.decisions()) == 5 and db.decision_totals() == []
+
+
+def test_keep_decisions_from_the_environment(monkeypatch, caplog):
+    from autoragged.tuning_db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, keep_decisions
+
+    monkeypatch.delenv(KEEP_ENV_VAR, raising=False)
+    assert keep_decisions() == DEFAULT_KEEP_DECISIONS == 20_000
+    for text, keep in (("0", 0), ("1_000", 1000), (" 50 ", 50), ("all", None), ("ALL", None)):
+        monkeypatch.setenv(KEEP_ENV_VAR, text)
+        assert keep_decisions() == keep, text
+    for text in ("-3", "lots", "1e4"):
+        monkeypatch.setenv(KEEP_ENV_VAR, text)
+        assert keep_decisions() == DEFAULT_KEEP_DECISIONS
+        assert keep_decisions() == DEFAULT_KEEP_DECISIONS  # warned once per value
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3 and all(KEEP_ENV_VAR in w and "'all'" in w for w in warnings)
+
+
+def test_a_reader_opens_a_file_from_before_the_rollup_tables(tmp_path):
+    path = tmp_path / "old.sqlite"
+    _build_at_version(path, 2)
+    with TuningDB.open(path, readonly=True) as db:  # nothing to migrate for a reader: the totals read as empty
+        assert db.decisions() == [decision(2)] and db.decision_totals() == [] and db.decision_buckets() == []
+        assert db.counts()["decision_totals"] == 0 and db.device_keys() == [H100.key]
+    assert "decision_totals" not in tables(path)  # and the file is left as it was
+    with TuningDB.open(path) as db:
+        assert db.schema_version == N_MIGRATIONS and db.decisions() == [decision(2)]
 
 
 # -------------------------------------------------------------------------------------------- transactions
@@ -631,7 +808,7 @@ def test_optuna_shares_the_file(tmp_path):
     with TuningDB.open(path) as db:
         db.register_device(H100)
         db.add_decisions([decision(i) for i in range(5)])
-        assert db.optuna_storage_url() == f"sqlite:///{path}"
+        assert db.optuna_storage_url() == f"sqlite:///{path}"  # nothing to escape in this path
         study = optuna.create_study(storage=db.optuna_storage_url(), study_name="x")
         study.optimize(lambda trial: trial.suggest_float("block", 0.0, 1.0) ** 2, n_trials=3)
         db.add_decisions([decision(5)])  # our writes still work while optuna holds its engine
@@ -642,6 +819,28 @@ def test_optuna_shares_the_file(tmp_path):
         assert db.counts()["decisions"] == 6 and db.devices() == [H100]
         assert db.decisions() == [decision(i) for i in range(6)]
         assert len(optuna.load_study(study_name="x", storage=db.optuna_storage_url()).trials) == 3
+
+
+def test_optuna_shares_a_file_whose_path_needs_escaping(tmp_path):
+    """`?` starts a URL's query, `#` its fragment, `%` an escape, and optuna runs the URL through str.format:
+    unescaped, optuna's tables went to another file (or failed) while ours stayed here."""
+    optuna = _optuna()
+    from autoragged import tune
+
+    folder = tmp_path / "odd ?#% {dir}"
+    path = folder / "t?u#n%41e {0}.sqlite"
+    with TuningDB.open(path) as db:
+        url = db.optuna_storage_url()
+        optuna.create_study(storage=url, study_name="by url").optimize(lambda t: t.suggest_int("a", 0, 3), 2)
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=db.optuna_engine_kwargs())
+        optuna.create_study(storage=storage, study_name="by path").optimize(lambda t: t.suggest_int("a", 0, 3), 2)
+        study = tune._Context(db, None, CPU).study(ENC, 100)  # what python -m autoragged.tune opens
+        study.optimize(lambda t: t.suggest_int("a", 0, 3), 1)
+    written = [p for p in tmp_path.rglob("*") if p != folder]
+    assert written and all(str(p) in (str(path), f"{path}-wal", f"{path}-shm") for p in written)  # nowhere else
+    names = [n for (n,) in query(path, "SELECT study_name FROM studies ORDER BY study_id")]
+    assert names == ["by url", "by path", study.study_name]
+    assert query(path, "SELECT count(*) FROM trials") == [(5,)] and OUR_TABLES <= tables(path)
 
 
 def test_tuning_db_opens_a_file_optuna_created_first(tmp_path):

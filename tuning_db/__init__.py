@@ -5,23 +5,40 @@
         db.add_decisions(buffer)         # one transaction for the whole list
         db.decisions(device=key, limit=100)
 
+Everything read back is validated: a damaged or hostile row raises `RowError` naming it, or, given a
+`Skipped`, is left out and counted there (`python -m autoragged.report` does that).
+
+Retention: `prune_decisions(keep, rollup)` keeps the newest `keep` decisions per (device, signature) and adds
+the rest up into `decision_totals` / `decision_buckets` (autoragged's recorder does it in each flush, with
+`keep_decisions()`: `$AUTORAGGED_DB_KEEP_DECISIONS`, default 20,000, "all" for no bound).
+
 Layer rule: this package imports sqlite-utils and the standard library only (no torch, numpy or autoragged);
 sqlite-utils itself is imported when a database is opened, so importing the records is cheap.
 """
 
-from ._db import ModelRecord, TuningDB, default_path
-from ._errors import DatabaseError
-from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
+from ._db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, ModelRecord, TuningDB, default_path, keep_decisions
+from ._errors import DatabaseError, RowError
+from ._rows import Skipped
+from .records import (
+    BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement, ModuleSignature, config_key,
+)  # fmt: skip
 
 __all__ = [
     "TuningDB",
     "DatabaseError",
+    "RowError",
+    "Skipped",
     "default_path",
+    "keep_decisions",
+    "KEEP_ENV_VAR",
+    "DEFAULT_KEEP_DECISIONS",
     "ModelRecord",
     "BatchStats",
     "DeviceKey",
     "ModuleSignature",
     "Decision",
     "Measurement",
+    "DecisionTotals",
+    "BucketTotals",
     "config_key",
 ]

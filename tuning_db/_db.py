@@ -7,47 +7,95 @@ transaction, never one per row. The connection may be used from any thread (the 
 background thread); a lock serialises its use inside the process, SQLite's locks across processes.
 
 JSON columns hold strict JSON (no NaN/inf, no pickle): a shared file must be safe to load, and SQLite's
-own `json_extract` must be able to read it in reports.
+own `json_extract` must be able to read it in reports. What is read back is checked column by column
+(`_rows`): a damaged or hostile row raises `RowError` naming it, or is skipped and counted in a `Skipped`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 import random
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DatabaseError, explain
+from ._errors import DatabaseError, RowError, explain
 from .migrations import (
     DATA_TABLES,
     MIGRATIONS,
     MIGRATIONS_TABLE,
+    READER_OPTIONAL,
     applied_migrations,
     migrate,
     unknown_migrations,
     write_transaction,
 )
-from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
+from ._rows import (
+    BadRow, Skipped, buckets_from, decision_from, device_from, measurement_from, model_fields, totals_from,
+)  # fmt: skip
+from .records import (
+    _MAXES, _MINS, _SUMS, BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement, ModuleSignature,
+    config_key,
+)  # fmt: skip
 
 if TYPE_CHECKING:  # imported lazily in TuningDB.open: sqlite-utils pulls in numpy and click (~100 ms)
     import sqlite_utils
 
-__all__ = ["TuningDB", "ModelRecord", "default_path", "ENV_VAR", "BUSY_TIMEOUT_S"]
+__all__ = [
+    "TuningDB", "ModelRecord", "default_path", "keep_decisions", "ENV_VAR", "KEEP_ENV_VAR", "DEFAULT_KEEP_DECISIONS",
+    "BUSY_TIMEOUT_S",
+]  # fmt: skip
 
 log = logging.getLogger("autoragged")
 
 ENV_VAR = "AUTORAGGED_DB"
 BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another process's write transaction before failing
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
+
+
+# Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
+# pictures, and any query of single batches, read them); older ones are added up into decision_totals and
+# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). 20,000 rows and
+# their indexes took 12 MB of file per module (benchmarks/soak.py, CPU, 2026-11-24: 1M batches, the file flat
+# at 12.0-12.2 MB from 50k batches on), and the report's decision map draws at most 20,000 points anyway
+# (report._MAX_MAP_POINTS).
+KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
+DEFAULT_KEEP_DECISIONS = 20_000
+_warned_keep: set[str] = set()
+
+
+def keep_decisions() -> int | None:
+    """How many decisions per (device, signature) the runtime keeps one by one: `$AUTORAGGED_DB_KEEP_DECISIONS`
+    (an int >= 0; 0 adds every decision up at once), "all" for no bound (the file then grows by ~0.5 KB per
+    batch), or unset for DEFAULT_KEEP_DECISIONS. None means all. A value that is none of these costs one warning
+    and the default."""
+    text = os.environ.get(KEEP_ENV_VAR, "").strip()
+    if not text:
+        return DEFAULT_KEEP_DECISIONS
+    if text.lower() == "all":
+        return None
+    try:
+        keep = int(text.replace("_", ""))
+        if keep < 0:
+            raise ValueError
+        return keep
+    except ValueError:
+        if text not in _warned_keep:
+            _warned_keep.add(text)
+            log.warning("autoragged: %s=%r is not a number of decisions >= 0 or 'all'; keeping %d per module",
+                        KEEP_ENV_VAR, text, DEFAULT_KEEP_DECISIONS)  # fmt: skip
+        return DEFAULT_KEEP_DECISIONS
 
 
 def default_path() -> Path:
@@ -69,7 +117,7 @@ class ModelRecord:
     signature: str
     feature_version: int
     kind: str
-    payload: dict[str, Any]
+    payload: dict[str, Any] | None  # None when read with payload=False
     metrics: dict[str, Any]
     created: float
 
@@ -93,21 +141,13 @@ def _dumps(value: Any, what: str) -> str:
         ) from e
 
 
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
 def _stats_row(stats: BatchStats) -> dict[str, Any]:
     return {name: getattr(stats, name) for name in _STATS_FIELDS}
 
 
-def _stats_from(row: dict[str, Any]) -> BatchStats:
-    return BatchStats(**{name: row[name] for name in _STATS_FIELDS})
-
-
 def decision_row(d: Decision) -> dict[str, Any]:
-    """The `decisions` row of `d` (without id)."""
-    return {
+    """The `decisions` row of `d` (without id); ValueError for a value JSON or SQLite would not keep (NaN, inf)."""
+    return _check_finite_row({
         "time": d.time,
         "device": _key(d.device),
         "signature": _key(d.signature),
@@ -118,26 +158,12 @@ def decision_row(d: Decision) -> dict[str, Any]:
         "predicted_ms": _dumps(d.predicted_ms, "Decision.predicted_ms"),
         "reason": d.reason,
         "measured_ms": d.measured_ms,
-    }
-
-
-def decision_from(row: dict[str, Any]) -> Decision:
-    return Decision(
-        time=row["time"],
-        device=row["device"],
-        signature=row["signature"],
-        stats=_stats_from(row),
-        arm=row["arm"],
-        config=_loads(row["config"]),
-        predicted_ms=_loads(row["predicted_ms"]),
-        reason=row["reason"],
-        measured_ms=row["measured_ms"],
-    )
+    }, "Decision")
 
 
 def measurement_row(m: Measurement) -> dict[str, Any]:
-    """The `measurements` row of `m` (without id)."""
-    return {
+    """The `measurements` row of `m` (without id); ValueError for a value JSON or SQLite would not keep."""
+    return _check_finite_row({
         "device": _key(m.device),
         "signature": _key(m.signature),
         "arm": m.arm,
@@ -152,42 +178,71 @@ def measurement_row(m: Measurement) -> dict[str, Any]:
         "source": m.source,
         "distribution": m.distribution,
         "extra": _dumps(m.extra, "Measurement.extra"),
-    }
+    }, "Measurement")
 
 
-def measurement_from(row: dict[str, Any]) -> Measurement:
-    return Measurement(
-        device=row["device"],
-        signature=row["signature"],
-        arm=row["arm"],
-        config=_loads(row["config"]),
-        stats=_stats_from(row),
-        median_ms=row["median_ms"],
-        p10_ms=row["p10_ms"],
-        p90_ms=row["p90_ms"],
-        reps=row["reps"],
-        time=row["time"],
-        source=row["source"],
-        distribution=row["distribution"],
-        extra=_loads(row["extra"]),
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite_decision(d: Decision) -> Decision:
+    """`d` without the values no one can use: non-finite predictions left out, a non-finite measured_ms None."""
+    predicted = d.predicted_ms
+    if isinstance(predicted, dict) and not all(map(_finite, predicted.values())):
+        predicted = {label: ms for label, ms in predicted.items() if _finite(ms)}
+    measured = d.measured_ms if d.measured_ms is None or _finite(d.measured_ms) else None
+    if predicted is d.predicted_ms and measured is d.measured_ms:
+        return d
+    return dataclasses.replace(d, predicted_ms=predicted, measured_ms=measured)
+
+
+def _finite_measurement(m: Measurement) -> Measurement:
+    """`m` with non-finite spread values (p10_ms, p90_ms, nullable) as None; a non-finite median stays and fails."""
+    p10 = m.p10_ms if m.p10_ms is None or _finite(m.p10_ms) else None
+    p90 = m.p90_ms if m.p90_ms is None or _finite(m.p90_ms) else None
+    return m if (p10, p90) == (m.p10_ms, m.p90_ms) else dataclasses.replace(m, p10_ms=p10, p90_ms=p90)
+
+
+def _check_finite_row(row: dict[str, Any], what: str) -> dict[str, Any]:
+    """SQLite stores a NaN float as NULL and inf as a REAL that reads back inf: refuse both, naming the column."""
+    for column, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{what}.{column} is {value}; the tuning database stores finite numbers only")
+    return row
+
+
+# NOT NULL columns (migrations.py): a record without one would fail its whole batch's transaction
+_DECISION_REQUIRED = ("time", "device", "signature", "arm", "config_key", *_STATS_FIELDS, "predicted_ms", "reason")
+_MEASUREMENT_REQUIRED = (
+    "device", "signature", "arm", "config_key", *_STATS_FIELDS, "median_ms", "reps", "time", "source"
+)  # fmt: skip
+@functools.cache
+def _upsert(table: str, cls: type) -> tuple[str, list[str]]:
+    """(INSERT ... ON CONFLICT DO UPDATE that adds a totals record into `table`, the column order)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    sets = []
+    for name in names:
+        if name in _SUMS:
+            sets.append(f"{name} = {name} + excluded.{name}")
+        elif name in _MINS or name in _MAXES:
+            pick = "min" if name in _MINS else "max"  # the scalar min/max of SQLite: NULL when either is NULL
+            sets.append(f"{name} = coalesce({pick}({name}, excluded.{name}), {name}, excluded.{name})")
+    sql = (
+        f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))}) "
+        f"ON CONFLICT ({', '.join(cls.KEY)}) DO UPDATE SET {', '.join(sets)}"
     )
+    return sql, names
+
+
+_MODEL_COLUMNS = "id, device, signature, feature_version, kind, metrics, created"
 
 
 def _model_from(row: dict[str, Any]) -> ModelRecord:
-    return ModelRecord(
-        id=row["id"],
-        device=row["device"],
-        signature=row["signature"],
-        feature_version=row["feature_version"],
-        kind=row["kind"],
-        payload=json.loads(row["payload"]),
-        metrics=json.loads(row["metrics"]),
-        created=row["created"],
-    )
+    return ModelRecord(**model_fields(row, payload=True))
 
 
-def _device_from(row: dict[str, Any]) -> DeviceKey:
-    return DeviceKey(**{f.name: row[f.name] for f in dataclasses.fields(DeviceKey)})
+def _model_without_payload(row: dict[str, Any]) -> ModelRecord:
+    return ModelRecord(**model_fields(row, payload=False))
 
 
 def _where(**filters: Any) -> tuple[str | None, list[Any]]:
@@ -245,9 +300,19 @@ def _journal_mode_wal(conn: sqlite3.Connection) -> str:
             delay = min(delay * 2, 0.1)
 
 
+def _decode_text(data: bytes) -> str:
+    """TEXT as str; invalid UTF-8 (a damaged row) is replaced rather than failing the whole query."""
+    return data.decode("utf-8", "replace")
+
+
+def _connect_optuna(path: str) -> sqlite3.Connection:
+    return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     """A connection with explicit transactions, usable from any thread, in WAL mode."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
+    conn.text_factory = _decode_text
     try:
         mode = _journal_mode_wal(conn)
         if mode != "wal":
@@ -274,9 +339,11 @@ def _check_not_newer(db: sqlite_utils.Database, path: Path) -> None:
 
 
 def _connect_readonly(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(
+    conn = sqlite3.connect(
         f"{path.as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
     )
+    conn.text_factory = _decode_text
+    return conn
 
 
 def _migrate(db: sqlite_utils.Database, path: Path) -> None:
@@ -292,7 +359,7 @@ def _check_readable(db: sqlite_utils.Database, path: Path) -> None:
     applied = applied_migrations(db)
     if not applied:
         raise DatabaseError(f"{path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
-    missing = [name for name, _ in MIGRATIONS if name not in applied]
+    missing = [name for name, _ in MIGRATIONS if name not in applied and name not in READER_OPTIONAL]
     if missing:
         raise DatabaseError(
             f"the tuning database {path} is at an older schema (missing {', '.join(missing)}); open it "
@@ -352,6 +419,46 @@ class TuningDB:
 
     # -- plumbing
 
+    def _decoded(self, table: str, rows: Iterable[dict], decode, skipped: Skipped | None, key: str = "id",
+                 check: Callable[[Any], str | None] | None = None) -> list:  # fmt: skip
+        """decode(row) for each row; a BadRow (or a problem `check(record)` names) raises RowError, or with
+        `skipped` is counted there and the row left out."""
+        out, n = [], 0
+        for row in rows:
+            n += 1
+            try:
+                record = decode(row)
+                problem = check(record) if check is not None else None
+                if problem:
+                    raise BadRow(problem)
+                out.append(record)
+            except BadRow as e:
+                if skipped is None:
+                    raise RowError(self.path, table, row.get(key), str(e)) from None
+                skipped.skip(table, row.get(key), str(e))
+        if skipped is not None:
+            skipped.saw(table, n)
+        return out
+
+    @staticmethod
+    def _encoded(records: Iterable, encode, clean, skipped: list | None, required: Iterable[str] = ()) -> list[dict]:
+        """The rows of `records`, all encoded before anything is written: strictly (a bad record raises) without
+        `skipped`; with it, each record `clean`ed first, and one that still cannot be encoded or lacks a `required`
+        column (which would fail the whole transaction) collected there."""
+        if skipped is None:
+            return [encode(r) for r in records]
+        rows = []
+        for record in records:
+            try:
+                row = encode(clean(record))
+                missing = [column for column in required if row[column] is None]
+                if missing:
+                    raise ValueError(f"{type(record).__name__} has no {', '.join(missing)}")
+                rows.append(row)
+            except (TypeError, ValueError, AttributeError) as e:
+                skipped.append((record, str(e)))
+        return rows
+
     def __enter__(self) -> TuningDB:
         return self
 
@@ -392,13 +499,24 @@ class TuningDB:
             return len(applied_migrations(db))
 
     def optuna_storage_url(self) -> str:
-        """The SQLAlchemy URL for optuna's study tables in this same file: `sqlite:///` + absolute path."""
-        return f"sqlite:///{self.path}"
+        """The SQLAlchemy URL of this same file, for optuna's study tables: `sqlite:///` + the absolute path,
+        percent-encoded. A path may hold `?` (a URL's query), `#`, `%`, spaces or braces (optuna runs the URL
+        through str.format); SQLAlchemy 2 decodes the database part of a URL, so the file is this one. Pass
+        `optuna_engine_kwargs()` beside it and the connection does not depend on the URL at all."""
+        return "sqlite:///" + urllib.parse.quote(str(self.path), safe="/")
+
+    def optuna_engine_kwargs(self) -> dict[str, Any]:
+        """Engine arguments for optuna's `RDBStorage(url, engine_kwargs=...)` that connect to this file by its
+        path (a `creator`), whatever SQLAlchemy version reads the URL."""
+        return {"creator": functools.partial(_connect_optuna, str(self.path))}
 
     def counts(self) -> dict[str, int]:
         """Rows per table of this package (not optuna's), for reports and tests."""
         with self._use("counting rows") as db:
-            return {table: db.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] for table in DATA_TABLES}
+            return {
+                table: db.execute(f"SELECT count(*) FROM [{table}]").fetchone()[0] if db[table].exists() else 0
+                for table in DATA_TABLES
+            }
 
     # -- devices and kernel configs
 
@@ -410,10 +528,25 @@ class TuningDB:
             db.execute("UPDATE devices SET first_seen = ? WHERE key = ? AND first_seen IS NULL", [time.time(), dev.key])
         return dev.key
 
-    def devices(self) -> list[DeviceKey]:
-        """Every registered device, oldest first."""
+    def devices(self, *, skipped: Skipped | None = None) -> list[DeviceKey]:
+        """Every registered device, oldest first (`skipped`: see `decisions`)."""
         with self._use("reading devices") as db:
-            return [_device_from(row) for row in db["devices"].rows_where(order_by="first_seen, key")]
+            rows = db["devices"].rows_where(order_by="first_seen, key")
+            return self._decoded("devices", rows, device_from, skipped, key="key")
+
+    def device_keys(self, *, since: float | None = None) -> list[str]:
+        """The device keys that decisions or measurements name (from `since` on, when given), sorted: rows
+        written by hand need not have a registered device. Keys that are not text are left out."""
+        where = "typeof(device) = 'text'" + (" AND time >= ?" if since is not None else "")
+        args = [since] * (since is not None)
+        with self._use("reading device keys") as db:
+            keys = set()
+            for table in ("decisions", "measurements"):
+                keys.update(k for (k,) in db.execute(f"SELECT DISTINCT device FROM {table} WHERE {where}", args))
+            if db["decision_totals"].exists():
+                rolled = f"SELECT DISTINCT device FROM decision_totals WHERE {where.replace('time', 'last')}"
+                keys.update(k for (k,) in db.execute(rolled, args))
+            return sorted(keys)
 
     def register_config(self, op: str, config: dict[str, Any]) -> str:
         """Insert or update a kernel config of `op` (e.g. "ragged_attention"); returns `config_key(config)`.
@@ -430,9 +563,15 @@ class TuningDB:
 
     # -- measurements and decisions
 
-    def add_measurements(self, measurements: Iterable[Measurement]) -> int:
-        """Append measurements in one transaction; returns the number of rows written."""
-        rows = [measurement_row(m) for m in measurements]  # encode first: a bad record writes nothing
+    def add_measurements(
+        self, measurements: Iterable[Measurement], *, skipped: list[tuple[Measurement, str]] | None = None
+    ) -> int:
+        """Append measurements in one transaction; returns the number of rows written.
+
+        skipped: None (default) raises on a record that cannot be stored, and nothing is written; a list
+        collects (record, why) for such records, stores non-finite optional values (p10_ms, p90_ms) as NULL, and
+        writes every other record (what the runtime's recorder does: one bad record must not cost the rest)."""
+        rows = self._encoded(measurements, measurement_row, _finite_measurement, skipped, _MEASUREMENT_REQUIRED)
         if rows:
             with self._write(f"writing {len(rows)} measurements") as db:
                 db["measurements"].insert_all(rows)
@@ -446,16 +585,24 @@ class TuningDB:
         source: str | None = None,
         arm: str | None = None,
         since: float | None = None,
+        skipped: Skipped | None = None,
+        check: Callable[[Measurement], str | None] | None = None,
     ) -> list[Measurement]:
-        """Measurements matching every filter given (`since`: time >= since, unix seconds), oldest first."""
+        """Measurements matching every filter given (`since`: time >= since, unix seconds), oldest first
+        (`skipped`, `check`: see `decisions`)."""
         where, args = _where(device=device, signature=signature, source=source, arm=arm, since=since)
         with self._use("reading measurements") as db:
             rows = db["measurements"].rows_where(where, args, order_by="time, id")
-            return [measurement_from(row) for row in rows]
+            return self._decoded("measurements", rows, measurement_from, skipped, check=check)
 
-    def add_decisions(self, decisions: Iterable[Decision]) -> int:
-        """Append decisions in one transaction (the runtime's flush); returns the number of rows written."""
-        rows = [decision_row(d) for d in decisions]  # encode first: a bad record writes nothing
+    def add_decisions(self, decisions: Iterable[Decision], *, skipped: list[tuple[Decision, str]] | None = None) -> int:
+        """Append decisions in one transaction (the runtime's flush); returns the number of rows written.
+
+        skipped: None (default) raises on a record that cannot be stored (NaN, a non-JSON value), and nothing is
+        written; a list collects (record, why) for such records and writes every other one, with non-finite
+        predictions left out of predicted_ms and a non-finite measured_ms stored as NULL (unusable values, not
+        reasons to lose the batch's record)."""
+        rows = self._encoded(decisions, decision_row, _finite_decision, skipped, _DECISION_REQUIRED)
         if rows:
             with self._write(f"writing {len(rows)} decisions") as db:
                 db["decisions"].insert_all(rows)
@@ -468,13 +615,91 @@ class TuningDB:
         signature: str | ModuleSignature | None = None,
         since: float | None = None,
         limit: int | None = None,
+        skipped: Skipped | None = None,
+        check: Callable[[Decision], str | None] | None = None,
     ) -> list[Decision]:
-        """Decisions matching every filter given: oldest first, or with `limit` the newest `limit`, newest first."""
+        """Decisions matching every filter given: oldest first, or with `limit` the newest `limit`, newest first.
+
+        A row that cannot be read (damaged or hostile: wrong types, NULLs, unreadable JSON), or that the
+        caller's `check(decision)` finds a problem with (it returns the problem, else None: e.g. an arm this
+        package does not know of), raises RowError naming it; given `skipped` (a `Skipped`), such rows are left
+        out and counted there instead."""
         where, args = _where(device=device, signature=signature, since=since)
         order = "time, id" if limit is None else "time DESC, id DESC"
         with self._use("reading decisions") as db:
             rows = db["decisions"].rows_where(where, args, order_by=order, limit=limit)
-            return [decision_from(row) for row in rows]
+            return self._decoded("decisions", rows, decision_from, skipped, check=check)
+
+    # -- retention
+
+    def prune_decisions(
+        self,
+        keep: int,
+        rollup: Callable[[list[Decision]], tuple[list[DecisionTotals], list[BucketTotals]]],
+        *,
+        pairs: Iterable[tuple[str, str]] | None = None,
+    ) -> int:
+        """Keep the newest `keep` decisions of each (device, signature) and add the older ones up, in one
+        transaction: `rollup(decisions)` makes their totals (autoragged's `_rollup.rollup`: this package does not
+        know arm labels or planner buckets), which are added into decision_totals / decision_buckets, and the
+        rows are deleted. pairs: the (device, signature) pairs to look at (default: all). Rows too damaged to
+        read are deleted without being counted. Returns the number of decisions pruned."""
+        if not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0 (decisions kept per device and signature), got {keep!r}")
+        with self._write("pruning decisions") as db:
+            if pairs is None:
+                pairs = db.execute("SELECT DISTINCT device, signature FROM decisions").fetchall()
+            return sum(self._prune_one(db, device, signature, keep, rollup) for device, signature in pairs)
+
+    def _prune_one(self, db: sqlite_utils.Database, device: str, signature: str, keep: int, rollup) -> int:
+        where, args = "device = ? AND signature = ?", [device, signature]
+        (n,) = db.execute(f"SELECT count(*) FROM decisions WHERE {where}", args).fetchone()
+        if n <= keep:
+            return 0
+        cursor = db.execute(f"SELECT * FROM decisions WHERE {where} ORDER BY time, id LIMIT ?", [*args, n - keep])
+        columns = [c[0] for c in cursor.description]
+        ids, decisions = [], []
+        for values in cursor:
+            row = dict(zip(columns, values))
+            ids.append((row["id"],))
+            try:
+                decisions.append(decision_from(row))
+            except BadRow:
+                pass  # beyond retention and unreadable: nothing to add up
+        totals, buckets = rollup(decisions)
+        for table, records in (("decision_totals", totals), ("decision_buckets", buckets)):
+            if records:
+                sql, names = _upsert(table, type(records[0]))
+                db.conn.executemany(sql, [[getattr(r, name) for name in names] for r in records])
+        db.conn.executemany("DELETE FROM decisions WHERE id = ?", ids)
+        if len(decisions) < len(ids):
+            log.debug("tuning database %s: pruned %d unreadable decisions", self.path, len(ids) - len(decisions))
+        return len(ids)
+
+    def decision_totals(
+        self, *, device: str | DeviceKey | None = None, since: float | None = None, skipped: Skipped | None = None
+    ) -> list[DecisionTotals]:
+        """The decisions pruned so far, added up per hour (`prune_decisions`; empty for a file that predates
+        them). since: the totals whose last decision is at or after it, i.e. whole hours that overlap the
+        window. `skipped`: see `decisions`."""
+        return self._rolled("decision_totals", totals_from, device, since, skipped)
+
+    def decision_buckets(
+        self, *, device: str | DeviceKey | None = None, since: float | None = None, skipped: Skipped | None = None
+    ) -> list[BucketTotals]:
+        """The timed decisions pruned so far, added up per planner bucket and day (see `decision_totals`)."""
+        return self._rolled("decision_buckets", buckets_from, device, since, skipped)
+
+    def _rolled(self, table: str, decode, device, since, skipped) -> list:
+        where, args = _where(device=device)
+        if since is not None:
+            where = (f"{where} AND " if where else "") + "last >= ?"
+            args.append(since)
+        with self._use(f"reading {table}") as db:
+            if not db[table].exists():
+                return []
+            rows = db[table].rows_where(where, args, order_by="period, rowid", select="rowid AS id, *")
+            return self._decoded(table, rows, decode, skipped)
 
     # -- cost models
 
@@ -507,11 +732,15 @@ class TuningDB:
         *,
         feature_version: int | None = None,
         signature: str | ModuleSignature | None = None,
+        max_payload_bytes: int | None = None,
     ) -> ModelRecord | None:
         """The newest model (by `created`) for `device`, or None.
 
         feature_version: only models with these features. signature: only models that apply to it, i.e.
         fit for it or for "*" (all); one fit for it wins over a "*" one. None: any signature.
+        max_payload_bytes: refuse a payload longer than this before reading it. The newest row that cannot be
+        read (a payload too long, unreadable JSON, wrong types) raises RowError naming it: the caller decides
+        what to use instead (the runtime: its analytic prior), never an older model silently.
         """
         where, args = _where(device=device, feature_version=feature_version)
         order = "created DESC, id DESC"
@@ -519,15 +748,32 @@ class TuningDB:
             where = (f"{where} AND " if where else "") + "signature IN (?, '*')"
             args.append(_key(signature))
             order = "signature = '*', " + order  # 0 (fit for this signature) sorts first
+        select = f"{_MODEL_COLUMNS}, length(CAST(payload AS BLOB)) AS payload_bytes"
         with self._use("reading models") as db:
-            rows = list(db["models"].rows_where(where, args, order_by=order, limit=1))
-            return _model_from(rows[0]) if rows else None
+            rows = list(db["models"].rows_where(where, args, order_by=order, limit=1, select=select))
+            if not rows:
+                return None
+            row = rows[0]
+            if max_payload_bytes is not None and (row["payload_bytes"] or 0) > max_payload_bytes:
+                raise RowError(
+                    self.path, "models", row["id"],
+                    f"its payload is {row['payload_bytes']:,} bytes, over the {max_payload_bytes:,} read at most",
+                )  # fmt: skip
+            row["payload"] = db.execute("SELECT payload FROM models WHERE id = ?", [row["id"]]).fetchone()[0]
+            (model,) = self._decoded("models", [row], _model_from, None)
+            return model
 
-    def models(self, device: str | DeviceKey | None = None) -> list[ModelRecord]:
-        """Every model (of `device` when given), oldest first."""
+    def models(
+        self, device: str | DeviceKey | None = None, *, payload: bool = True, skipped: Skipped | None = None
+    ) -> list[ModelRecord]:
+        """Every model (of `device` when given), oldest first. payload=False leaves the payloads unread (None):
+        what a report needs is in the other columns. `skipped`: see `decisions`."""
         where, args = _where(device=device)
+        select = _MODEL_COLUMNS + (", payload" if payload else "")
+        decode = _model_from if payload else _model_without_payload
         with self._use("reading models") as db:
-            return [_model_from(row) for row in db["models"].rows_where(where, args, order_by="created, id")]
+            rows = db["models"].rows_where(where, args, order_by="created, id", select=select)
+            return self._decoded("models", rows, decode, skipped)
 
     # -- tuner bookkeeping
 

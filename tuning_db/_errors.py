@@ -5,13 +5,29 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-__all__ = ["DatabaseError", "explain"]
+__all__ = ["DatabaseError", "RowError", "explain"]
 
 _MOVE_AWAY = "move it away or point AUTORAGGED_DB elsewhere"
 
 
 class DatabaseError(Exception):
     """The tuning database cannot be opened, read or written; the message names the file and the remedy."""
+
+
+class RowError(DatabaseError):
+    """One row cannot be read as what its table holds (damaged, or written by something hostile).
+
+    table, row_id, problem: which row and what is wrong with it; the message also names the file and the remedy.
+    """
+
+    def __init__(self, path: Path, table: str, row_id: object, problem: str):
+        self.path, self.table, self.row_id, self.problem = path, table, row_id, problem
+        remedy = (
+            "re-run python -m autoragged.tune --refit for a new model, or delete the row"
+            if table == "models"
+            else "delete the row, or read with a Skipped collector to leave such rows out"
+        )
+        super().__init__(f"{table} row {row_id} of the tuning database {path}: {problem}; {remedy}")
 
 
 def _code(error: sqlite3.Error) -> str:

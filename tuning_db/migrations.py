@@ -27,6 +27,7 @@ __all__ = [
     "MIGRATIONS",
     "MIGRATIONS_TABLE",
     "DATA_TABLES",
+    "READER_OPTIONAL",
     "applied_migrations",
     "unknown_migrations",
     "migrate",
@@ -38,7 +39,13 @@ log = logging.getLogger("autoragged")
 MIGRATIONS_TABLE = "_migrations"
 
 # The tables this package owns (what `TuningDB.counts()` reports), in creation order.
-DATA_TABLES = ("devices", "kernel_configs", "measurements", "models", "decisions", "tune_items")
+DATA_TABLES = (
+    "devices", "kernel_configs", "measurements", "models", "decisions", "tune_items", "decision_totals",
+    "decision_buckets",
+)  # fmt: skip
+# Tables a read-only reader treats as empty when the file predates them: a report must not refuse a file
+# that only lacks what a newer autoragged adds as it writes (opening it read-write migrates it).
+READER_OPTIONAL = {"0003_decision_rollups": ("decision_totals", "decision_buckets")}
 
 # Columns shared by `measurements` and `decisions`: the BatchStats fields, in dataclass order.
 _STATS_COLUMNS = {
@@ -138,11 +145,36 @@ def _m0002_indexes_and_tune_items(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m0003_decision_rollups(db: sqlite_utils.Database) -> None:
+    """`decision_totals` and `decision_buckets`: the decisions pruned from `decisions`, added up (records.py
+    says what each column holds), so that the table of single decisions can be bounded (TuningDB.prune_decisions)."""
+    db["decision_totals"].create(
+        {
+            "device": str, "signature": str, "period": float, "arm": str, "label": str, "reason": str, "forced": int,
+            "batches": int, "first": float, "last": float, "sampled": int, "measured_sum": float,
+            "measured_min": float, "measured_max": float, "ape_batches": int, "ape_sum": float,
+            "saved_batches": int, "chosen_ms": float, "padded_ms": float, "ragged_ms": float,
+        },
+        pk=("device", "signature", "period", "arm", "label", "reason", "forced"),
+    )  # fmt: skip
+    db["decision_buckets"].create(
+        {
+            "device": str, "signature": str, "period": float, "bucket": str, "label": str, "sampled": int,
+            "exploring": int, "measured_sum": float, "measured_min": float, "measured_max": float, "first": float,
+            "last": float,
+        },
+        pk=("device", "signature", "period", "bucket", "label"),
+    )  # fmt: skip
+    db["decision_totals"].create_index(["last"], index_name="decision_totals_by_last")
+    db["decision_buckets"].create_index(["last"], index_name="decision_buckets_by_last")
+
+
 Migration = tuple[str, Callable[["sqlite_utils.Database"], None]]
 
 MIGRATIONS: list[Migration] = [
     ("0001_initial", _m0001_initial),
     ("0002_indexes_and_tune_items", _m0002_indexes_and_tune_items),
+    ("0003_decision_rollups", _m0003_decision_rollups),
 ]
 
 

@@ -18,7 +18,10 @@ from typing import Any
 # math.sumprod (Python 3.12) is exact for ints and the fastest; map(mul) keeps the loop in C before it
 _sumprod = getattr(math, "sumprod", lambda a, b: sum(map(operator.mul, a, b)))
 
-__all__ = ["BatchStats", "DeviceKey", "ModuleSignature", "Decision", "Measurement", "config_key"]
+__all__ = [
+    "BatchStats", "DeviceKey", "ModuleSignature", "Decision", "Measurement", "DecisionTotals", "BucketTotals",
+    "config_key",
+]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -182,3 +185,91 @@ class Measurement:
     source: str = "tune"
     distribution: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Rolled-up decisions: what the database keeps of the decisions it no longer keeps one by one (`TuningDB.
+# prune_decisions`). Counts and sums add up, minima and maxima combine, so totals merge in any order.
+_SUMS = ("batches", "sampled", "measured_sum", "ape_batches", "ape_sum", "saved_batches", "chosen_ms", "padded_ms",
+         "ragged_ms", "exploring")  # fmt: skip
+_MINS = ("first", "measured_min")
+_MAXES = ("last", "measured_max")
+
+
+def _merge(into: Any, other: Any) -> None:
+    for name in _SUMS:
+        if hasattr(into, name):
+            setattr(into, name, getattr(into, name) + getattr(other, name))
+    for names, pick in ((_MINS, min), (_MAXES, max)):
+        for name in names:
+            a, b = getattr(into, name), getattr(other, name)
+            setattr(into, name, b if a is None else a if b is None else pick(a, b))
+
+
+@dataclass(slots=True)
+class DecisionTotals:
+    """The decisions of one (device, signature, period, arm, label, reason, forced), added up.
+
+    period: unix seconds at the start of the hour they were made in; label: the arm label their predictions
+    are keyed by ("padded", "ragged:m64n64k64w4s2a1-cublas"); reason: the decision's reason with its decimal
+    numbers left out (a scale factor would make every reason new); forced: nothing was predicted (policy, or
+    a feature the ragged arm lacks). batches: how many; first, last: their time range (unix seconds);
+    sampled: how many were timed, measured_sum/min/max their latencies (ms); ape_batches, ape_sum: timed ones
+    whose arm had a prediction, and the sum of |predicted - measured| / measured; saved_batches: those with the
+    chosen arm's, the padded arm's and an eager ragged arm's predictions, and chosen_ms, padded_ms, ragged_ms
+    the sums of these predictions (ragged: the best eager ragged config of each batch)."""
+
+    device: str
+    signature: str
+    period: float
+    arm: str
+    label: str
+    reason: str
+    forced: bool
+    batches: int = 0
+    first: float | None = None
+    last: float | None = None
+    sampled: int = 0
+    measured_sum: float = 0.0
+    measured_min: float | None = None
+    measured_max: float | None = None
+    ape_batches: int = 0
+    ape_sum: float = 0.0
+    saved_batches: int = 0
+    chosen_ms: float = 0.0
+    padded_ms: float = 0.0
+    ragged_ms: float = 0.0
+
+    KEY = ("device", "signature", "period", "arm", "label", "reason", "forced")
+
+    def merge(self, other: DecisionTotals) -> None:
+        """Add `other` (of any key) into these totals."""
+        _merge(self, other)
+
+
+@dataclass(slots=True)
+class BucketTotals:
+    """The timed, planned decisions of one (device, signature, period, bucket, label), added up: what measured
+    regret needs (the mean latency of each arm label in each planner bucket).
+
+    period: unix seconds at the start of the day; bucket: the planner's bucket key of the batch, as text;
+    sampled: timed decisions; exploring: those that ran another arm than the planner's choice on purpose;
+    measured_sum/min/max: their latencies (ms); first, last: their time range (unix seconds)."""
+
+    device: str
+    signature: str
+    period: float
+    bucket: str
+    label: str
+    sampled: int = 0
+    exploring: int = 0
+    measured_sum: float = 0.0
+    measured_min: float | None = None
+    measured_max: float | None = None
+    first: float | None = None
+    last: float | None = None
+
+    KEY = ("device", "signature", "period", "bucket", "label")
+
+    def merge(self, other: BucketTotals) -> None:
+        """Add `other` (of any key) into these totals."""
+        _merge(self, other)
