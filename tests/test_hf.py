@@ -345,3 +345,18 @@ def test_deepcopy_of_a_wrapped_model_runs_its_own_weights(monkeypatch):
         a, b = model(**kwargs).last_hidden_state, twin(**kwargs).last_hidden_state
     assert last(twin).arm == "ragged" and (a[keep] - b[keep]).abs().max() > 1e-2
     check_close("bert", twin(**kwargs), twin, kwargs, keep)
+
+
+def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
+    from autoragged import report
+
+    use_reference(monkeypatch)
+    db = tmp_path / "hf.sqlite"
+    model = autoragged.wrap(model_of("bert"), db=db, policy="ragged")
+    kwargs, _ = batch()
+    with torch.no_grad():
+        for _ in range(3):
+            model(**kwargs)
+    autoragged.flush()
+    text = report.render_text(report.summary(db))
+    assert "hf-bert:2x64/2h/ff128:gelu:post:float32" in text and "ragged" in text
