@@ -47,21 +47,23 @@ def wrap(
     graphs: bool = True,
     graph_cap: int = 16,
 ) -> nn.Module:
-    """Make every `nn.TransformerEncoder` (and every `nn.TransformerEncoderLayer` outside one) in `model`
-    choose, per batch, between its own padded forward and our ragged kernels. Returns `model` (changed
-    in place: same object, parameters and state_dict; `unwrap` undoes it).
+    """Make every module of `model` that an adapter can run choose, per batch, between its own padded forward
+    and our ragged kernels: `nn.TransformerEncoder` (and `nn.TransformerEncoderLayer` outside one), and the base
+    model of HuggingFace encoders (BERT family, ModernBERT; inside task models and sentence-transformers).
+    Returns `model` (changed in place: same object, parameters and state_dict; `unwrap` undoes it). Modules
+    that will always run padded, and models found but not wrapped, are named in one WARNING log line.
 
     db:        the tuning database (default `$AUTORAGGED_DB` or ~/.cache/autoragged/tuning.sqlite) where
                decisions and sampled latencies are recorded and the calibrated cost model is read;
                False records nothing and uses the analytic prior.
     policy:    "auto" (cost model), "padded" or "ragged" (forced, for benchmarks and debugging; batches
                the ragged arm cannot run still go padded, with the reason recorded).
-    sample_every: time every n-th batch with CUDA events (0: never); the planner learns from these. Also
-                  timed (unless 0): a mask-only shape's judged batches and its first unread replays, so a
-                  shape that skips the lengths read and measures slower goes back to reading them.
+    sample_every: time every n-th batch (CUDA events, or the host clock on a CPU; 0: never); the planner learns
+                  from these. Also timed (unless 0): a mask-only shape's judged batches and its first unread
+                  replays, so a shape that skips the lengths read and measures slower goes back to reading them.
     explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket.
-    validate_lengths: when both `lengths=` and a key padding mask are given, check they agree (one
-               device->host copy); set False to trust `lengths` and skip the copy.
+    validate_lengths: when both `lengths=` and a padding mask are given, check they agree, real tokens first
+               (one device->host copy); set False to trust `lengths` and skip the copy.
     config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).
     graphs:    on CUDA, also consider each arm replayed as a CUDA graph of its shape bucket (captured
                when a bucket recurs, at most `graph_cap` kept per module, least recently used out).
