@@ -262,7 +262,10 @@ class HFDecoderCall(_hf.HFCall):
             return
         self.ids = None
         super().__init__(body, module, kwargs, lengths)
-        if self.reason is not None or self.passthrough is not None:
+        if self.passthrough is not None:
+            return
+        self.reason = self._decoding() or self.reason  # a decoding step's mask is longer than its input: say why
+        if self.reason is not None:
             return
         self.reason = self._decoder_reason(body)
         if self.reason is None:
@@ -298,12 +301,15 @@ class HFDecoderCall(_hf.HFCall):
             return None
         if type(past) is not DynamicCache:
             return f"past_key_values is a {type(past).__name__} (the ragged arm fills an empty DynamicCache only)"
-        held = past.get_seq_length()
-        if held:
-            return f"past_key_values holds {held} tokens (decoding steps run padded)"
         if not self.use_cache:
             return "past_key_values given with use_cache=False"
-        return None
+        return self._decoding()
+
+    def _decoding(self) -> str | None:
+        """Why a call continuing a cache runs padded (a decoding step), or None."""
+        past = self.kwargs.get("past_key_values")
+        held = past.get_seq_length() if isinstance(past, DynamicCache) else 0
+        return f"past_key_values holds {held} tokens (decoding steps run padded)" if held else None
 
     def _init_ragged(self, body: HFDecoderBody, module, kwargs: dict, lengths, ids: RaggedTensor) -> None:
         """A RaggedTensor of token ids: B components, L the longest; no mask, no padded tensor, no KV cache."""
