@@ -229,11 +229,13 @@ def token_budget(
     output: str | Callable = "last_hidden",
     align: int | None = None,
     safety: float = 0.9,
-    cap: int = 32768,
+    cap: int = 16384,
 ) -> int:
     """The bin budget (aligned tokens) for `run_job` on this device: `probe_capacity` runs one bin of the
     job's longest document repeated up to `cap` tokens (and the job's reduction) and halves on out-of-memory
-    down to that document alone; the budget is `safety` times what fitted. A one-off: each try is a forward."""
+    down to that document alone; the budget is `safety` times what fitted. A one-off: each try is a forward.
+    cap: the largest bin tried. Once a bin's linears run at their full rate a larger one adds memory rather
+    than speed; 16384 is a choice, not a measurement (benchmarks/llm_table.py --cap measures it)."""
     from .packing import probe_capacity
 
     _check_output(output)
@@ -287,7 +289,7 @@ def run_job(
     max_tokens: int | None = None,
     align: int | None = None,
     safety: float = 0.9,
-    cap: int = 32768,
+    cap: int = 16384,
     progress: bool = True,
 ) -> Iterator:
     """Run `documents` through a wrapped HF decoder in token-budget bins; yields one result per document, in the
