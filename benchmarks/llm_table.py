@@ -57,7 +57,7 @@ from autoragged.packing import (  # noqa: E402
     token_budget,
 )
 from autoragged.workloads import DOCUMENT_MIXES, llm_config, sample_documents  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import environment, header, require_cuda, table, what_ran, write_json  # noqa: E402
 
 COLUMNS = ["hf_b8", "hf_sorted", "wrap_b8", "wrap_b8_nocache", "wrap_sorted", "bins"]
 
@@ -168,7 +168,7 @@ def bench_mix(mix: str, args, model, wrapped, weights_gib: float) -> list[dict]:
             if col != "hf_b8":
                 row[f"{col}_diff"] = _max_diff(got, results["hf_b8"])
                 row[f"{col}_speedup"] = row["hf_b8_s"] / row[f"{col}_s"]
-    row["wrap_arms"] = _what_ran(wrapped, len(autoragged.recent_decisions(wrapped, 10_000)) - seen)
+    row["wrap_arms"] = what_ran(wrapped, len(autoragged.recent_decisions(wrapped, 10_000)) - seen)
     rows = [row]
     if args.no_cap:
         rows.append(no_cap(mix, docs, args, model, wrapped, weights_gib))
@@ -214,15 +214,6 @@ def no_cap(mix, docs, args, model, wrapped, weights_gib) -> dict:
 def _share(overhead: float) -> float:
     """Padding as a share of the rows computed, from padding_overhead's cost / real - 1."""
     return overhead / (1 + overhead)
-
-
-def _what_ran(model, n: int) -> dict[str, int]:
-    """What the wrapped model's last n decisions ran, and why, counted."""
-    ran: dict[str, int] = {}
-    for d in autoragged.recent_decisions(model, n):
-        key = f"{d.arm} | {d.reason[:60]}"
-        ran[key] = ran.get(key, 0) + 1
-    return ran
 
 
 def main(argv: list[str] | None = None) -> int:
