@@ -3,6 +3,7 @@ runs it (through the dispatcher's own execute path). Shared by the tuner and the
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -198,6 +199,8 @@ class ArmRunner:
         ids = torch.randint(min(5, vocab - 1), vocab, (len(lengths), L), generator=g)
         kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
                   "attention_mask": keep.long().to(device)}  # fmt: skip
+        if self.runtime.adapter.name == "hf_decoder":
+            kwargs["use_cache"] = False  # a scoring call: a cache would keep the graph arms from running
         return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
@@ -206,13 +209,13 @@ class ArmRunner:
         return self.run_call(arm, TorchCall(self.runtime.body, x, None, mask, None, None), lengths, stats)
 
     def hf_call(self, kwargs: dict):
-        """The call of the wrapped HF base model on `kwargs` (input_ids, attention_mask, ...)."""
-        from .adapters.hf_encoder import HFEncoderCall
-
-        return HFEncoderCall(self.runtime.body, self.module, dict(kwargs), None)
+        """The call of the wrapped HF base model (encoder or decoder) on `kwargs` (input_ids, attention_mask, ...),
+        as its adapter reads it."""
+        return self.module.forward.call_type(self.runtime.body, self.module, dict(kwargs), None)
 
     def run_call(self, arm: Arm, call, lengths: tuple[int, ...], stats: BatchStats):
-        with torch.inference_mode():
+        scope = getattr(call, "scope", None)  # an HF call: the body may read it (hf_decoder's positions)
+        with torch.inference_mode(), scope() if scope is not None else contextlib.nullcontext():
             out, note = self.runtime._execute(self.module, call, arm, lengths, stats, None)
         if note:
             raise RuntimeError(f"{arm.label} did not run as asked: {note}")

@@ -13,6 +13,14 @@ for epoch in range(epochs):
         y = wrapped(rt.to("cuda"))
 ```
 
+Whole jobs on a wrapped HF decoder LLM (scoring, classification, embedding), one call:
+
+```python
+model = autoragged.wrap(AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda())
+for logprobs in run_job(model, tokenizer(texts)["input_ids"], output="token_logprobs"):
+    ...                                       # one result per text, in input order; bins sized to memory
+```
+
 Token counts are *aligned* throughout: a sequence of `length` tokens costs `ceil(length / align) * align`
 rows, which is what it occupies in a `RaggedTensor` built with that `align`.
 """
@@ -45,6 +53,8 @@ __all__ = [
     "padding_overhead",
     "fixed_size_batches",
     "length_sorted_batches",
+    "run_job",
+    "token_budget",
 ]
 
 logger = logging.getLogger("autoragged")
@@ -492,3 +502,6 @@ def length_sorted_batches(lengths: Sequence[int] | np.ndarray | torch.Tensor, ba
     batch_size = _positive_int(batch_size, "batch_size")
     order = np.argsort(-lens, kind="stable").tolist()
     return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+from ._job import run_job, token_budget  # noqa: E402  (the job uses the packing above)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "CORA", "CORA_MODEL", "CORA_BATCH_SIZES", "Dataset", "sample_cora", "sample", "FAMILIES", "HF_SHAPES", "hf_config"
+    "CORA", "CORA_MODEL", "CORA_BATCH_SIZES", "Dataset", "sample_cora", "sample", "FAMILIES", "HF_SHAPES", "hf_config",
+    "LLM_SHAPES", "llm_config", "DOCUMENT_MIXES", "sample_documents",
 ]  # fmt: skip
 
 
@@ -125,3 +126,44 @@ def hf_config(name: str):
             raise ValueError(f"{path} has no model_type: not a transformers config.json")
         return transformers.AutoConfig.for_model(**data)
     raise ValueError(f"unknown HF model {name!r}: one of {sorted(HF_SHAPES)} or a config.json path")
+
+
+# -- decoder LLM shapes and document mixes (random weights and token ids: nothing is downloaded) ---------------
+# name -> Qwen2 config fields of the public checkpoint of that name (its config.json)
+LLM_SHAPES = {
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def llm_config(name: str, layers: int | None = None):
+    """A transformers Qwen2Config of one of LLM_SHAPES (rope theta 1e6, 32K positions, no sliding window, as
+    the checkpoints), optionally with fewer layers."""
+    import transformers
+
+    fields = dict(LLM_SHAPES[name], rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  pad_token_id=151643, bos_token_id=151643, eos_token_id=151643, use_sliding_window=False)  # fmt: skip
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return transformers.Qwen2Config(**fields)
+
+
+# WarpGroup-backend's two document corpora (word counts; 1.3 tokens a word): "bimodal" mixes 45-130-word and
+# 1,820-2,000-word texts half and half (48% of tokens were padding at batch 8 in their report), "uniform" draws
+# 50-1,900 words
+DOCUMENT_MIXES = {"bimodal": ((45, 130), (1820, 2000)), "uniform": ((50, 1900),)}
+TOKENS_PER_WORD = 1.3
+
+
+def sample_documents(mix: str, n: int, rng: np.random.Generator) -> list[int]:
+    """n document lengths in tokens from one of DOCUMENT_MIXES, in random (data) order."""
+    if mix not in DOCUMENT_MIXES:
+        raise ValueError(f"unknown document mix {mix!r}; known: {sorted(DOCUMENT_MIXES)}")
+    ranges = DOCUMENT_MIXES[mix]
+    which = rng.integers(0, len(ranges), size=n)
+    lo = np.array([ranges[i][0] for i in which])
+    hi = np.array([ranges[i][1] for i in which])
+    words = lo + np.floor(rng.random(n) * (hi - lo + 1))
+    return np.maximum(1, np.rint(words * TOKENS_PER_WORD)).astype(int).tolist()

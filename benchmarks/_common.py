@@ -84,3 +84,14 @@ def write_json(name: str, payload: dict, out: str | None = None) -> pathlib.Path
     if extra:
         pathlib.Path(extra, path.name).write_text(path.read_text())
     return path
+
+
+def what_ran(model, n: int) -> dict[str, int]:
+    """What a wrapped model's last n decisions ran ("arm[:linear backend] | reason"), counted."""
+    import autoragged
+
+    ran: dict[str, int] = {}
+    for d in autoragged.recent_decisions(model, n):
+        key = f"{d.arm}{'' if d.config is None else ':' + d.config['backend']} | {d.reason[:70]}"
+        ran[key] = ran.get(key, 0) + 1
+    return ran

@@ -47,7 +47,7 @@ from autoragged._costmodel import Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, HF_SHAPES, hf_config, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import environment, header, require_cuda, table, what_ran, write_json  # noqa: E402
 
 COLUMNS = ["hf_sdpa", "hf_sorted", "varlen", "ragged", "graph_cublas", "graph_triton", "auto", "auto_lengths"]
 FORCED = ("ragged", "graph_cublas", "graph_triton")
@@ -125,23 +125,15 @@ def bench_batch(lengths, seed, args, models, device) -> dict:
         auto = models["auto"]
         if "auto" in args.columns:
             out["auto"] = t(lambda: auto(input_ids=ids, attention_mask=mask))
-            out["auto_arms"] = _what_ran(auto, args.reps)
+            out["auto_arms"] = what_ran(auto, args.reps)
             got = auto(input_ids=ids, attention_mask=mask).last_hidden_state
             want = plain(input_ids=ids, attention_mask=mask).last_hidden_state
             keep = mask.bool()
             out["auto_max_err"] = (got[keep].float() - want[keep].float()).abs().max().item()
         if "auto_lengths" in args.columns:
             out["auto_lengths"] = t(lambda: auto(input_ids=ids, lengths=lengths))  # no mask: nothing to read
-            out["auto_lengths_arms"] = _what_ran(auto, args.reps)
+            out["auto_lengths_arms"] = what_ran(auto, args.reps)
     return out
-
-
-def _what_ran(model, n: int) -> dict[str, int]:
-    ran: dict[str, int] = {}
-    for d in autoragged.recent_decisions(model, n):
-        key = f"{d.arm}{'' if d.config is None else ':' + d.config['backend']} | {d.reason[:70]}"
-        ran[key] = ran.get(key, 0) + 1
-    return ran
 
 
 def sorted_ms(all_lengths: list[list[int]], args, models, device) -> float:
@@ -282,7 +274,7 @@ def host_profile(models, device, dataset: str = "CoLA", batch: int = 128, calls:
             torch.cuda.synchronize()
             print(f"\n### {name}: {host:.3f} ms host per call, {wall:.3f} ms with the GPU ({dataset} B={batch})")
             if name.startswith("auto"):
-                print(_what_ran(auto, 2 * calls + 20))
+                print(what_ran(auto, 2 * calls + 20))
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 

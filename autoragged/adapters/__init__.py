@@ -3,6 +3,8 @@
     torch_encoder  nn.TransformerEncoder / nn.TransformerEncoderLayer
     hf_encoder     HuggingFace encoders (BERT family, ModernBERT) and the models that hold them
                    (task heads, sentence-transformers)
+    hf_decoder     HuggingFace decoder LLMs (Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-2) for prefill-style
+                   work, and the models that hold them (...ForCausalLM, ...ForSequenceClassification)
 
 An adapter never imports another adapter; the runtime never imports transformers (an adapter does, and
 only once transformers was imported by the caller: a model cannot be a HuggingFace one before that).
@@ -23,7 +25,8 @@ def adapters_for(model: nn.Module) -> list:
 
     found = [torch_encoder]
     if "transformers" in sys.modules:
+        from .hf_decoder import ADAPTER as hf_decoder
         from .hf_encoder import ADAPTER as hf_encoder
 
-        found.append(hf_encoder)
+        found += [hf_encoder, hf_decoder]
     return found

@@ -12,13 +12,19 @@ Attention: our varlen kernel is registered as "autoragged" (a name with neither 
 transformers take other paths). A body that runs the model's own layer modules on packed rows switches its
 config's `_attn_implementation` to it for the duration of the ragged arm (eager, or a CUDA-graph capture),
 with the layout in a context variable; any other call that reaches the function while a config is switched
-(another thread's padded call) runs the implementation the config had, and the mask function likewise.
+(another thread's padded call) runs the implementation the config had, and the mask function likewise. A
+ragged arm may also hand each attention module's keys and values to a sink (a decoder's KV cache).
+
+The call being run: `current_call()` is the HFCall whose forward is running in this context (set by the
+wrapped forward and by `HFCall.scope()`), for a body that needs more of the call than its packed values
+(a decoder's position ids as the original derives them for the padded input).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import sys
 
@@ -28,13 +34,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import attention_values
-from .base import Call
+from .base import Body, Call, EpochCache
 
-__all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked"]
+__all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked", "current_call",
+           "positions", "is_base", "HFBody"]  # fmt: skip
 
 NAME = "autoragged"
-# (layout, config) of the ragged arm running in this context; None: not inside one
+# (layout, config, sink) of the ragged arm running in this context; None: not inside one
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("autoragged_ragged_arm", default=None)
+# the HFCall whose forward runs in this context; None: none
+_CALL: contextvars.ContextVar = contextvars.ContextVar("autoragged_hf_call", default=None)
 _SWITCHED: dict[int, str] = {}  # id(config) -> the implementation it had, while switched to NAME
 
 
@@ -52,7 +61,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                   sliding_window=sliding_window, **kwargs)  # fmt: skip
-    layout, config = active
+    layout, config, sink = active
+    if sink is not None:
+        sink(module, key, value)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (rows, heads, Dh) views, no copies
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     window = None if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
@@ -83,10 +94,12 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def ragged_attention_of(config, layout, kernel_config):
-    """Run the model's own attention modules as our varlen kernel over `layout` inside this block."""
+def ragged_attention_of(config, layout, kernel_config, sink=None):
+    """Run the model's own attention modules as our varlen kernel over `layout` inside this block; `sink`,
+    if given, is called as sink(module, key, value) with each module's keys and values (1, Hkv, rows, Dh)
+    before its attention runs."""
     _register()
-    token = _ACTIVE.set((layout, kernel_config))
+    token = _ACTIVE.set((layout, kernel_config, sink))
     key = id(config)
     before = config._attn_implementation_internal
     nested = key in _SWITCHED
@@ -102,6 +115,27 @@ def ragged_attention_of(config, layout, kernel_config):
         _ACTIVE.reset(token)
 
 
+def is_base(m) -> bool:
+    """An HF base model: a PreTrainedModel that is its own `base_model` (what an HF adapter wraps)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(m, PreTrainedModel) and m.base_model is m
+
+
+def current_call():
+    """The HFCall running in this context (see the module docstring), or None."""
+    return _CALL.get()
+
+
+def positions(layout, rows: int, device) -> torch.Tensor:
+    """(1, rows) int64: each packed row's position within its sequence (rows past the batch: anything).
+    No device sync: CUDA-graph capturable (the offsets may be a graph's static layout)."""
+    offsets = layout.device_meta(device)[0].to(torch.int64)
+    row = torch.arange(rows, device=device)
+    comp = torch.searchsorted(offsets[1:].contiguous(), row, right=True).clamp_(max=offsets.shape[0] - 2)
+    return (row - offsets[comp])[None]
+
+
 def hidden_hooked(hook_dicts) -> bool:
     """True when a hook other than transformers' own output capturing sits on a watched submodule (those
     are inert outside a capturing forward: the ragged arm builds hidden states itself)."""
@@ -113,6 +147,40 @@ def hidden_hooked(hook_dicts) -> bool:
                 if getattr(hook, "__name__", "") != "output_capturing_hook":
                     return True
     return False
+
+
+class HFBody(Body):
+    """What the bodies of HF base models share: the model, its family (an adapter's table entry), its layer
+    list watched for structure changes, the padded arm as the class's own forward, and the embedding step."""
+
+    batch_first = True
+
+    def __init__(self, module, family, layer_list):
+        super().__init__(module)
+        self.module, self.config, self.family = module, module.config, family
+        self.forward_of = functools.partial(type(module).forward.__get__)
+        self._list = layer_list
+        self._list_dict, self._count = layer_list._modules, len(layer_list)
+        self._probe = EpochCache(lambda: next(self.module.parameters()))
+
+    def probe(self) -> torch.Tensor:
+        return self._probe.get()
+
+    def hooked(self) -> bool:
+        return hidden_hooked(self._hook_dicts)
+
+    def layers_moved(self, module) -> bool:
+        return self._list._modules is not self._list_dict or len(self._list) != self._count
+
+    def restructured(self, module) -> bool:
+        if super().restructured(module):
+            return True
+        self._list_dict, self._count = self._list._modules, len(self._list)
+        return False
+
+    def embed(self, module, kwargs) -> torch.Tensor:
+        """(B, L, D): the first layer's input on the padded call, as the original computes it."""
+        return self.family.embed(module, kwargs)
 
 
 # -- dispatch --------------------------------------------------------------------------------------------
@@ -135,7 +203,12 @@ class _Forward:
             if len(args) > len(self.params):
                 raise TypeError(f"{type(module).__name__}.forward takes {len(self.params)} positional arguments")
             kwargs.update(zip(self.params, args))
-        return runtime.run(module, self.call_type(runtime.body, module, kwargs, lengths))
+        call = self.call_type(runtime.body, module, kwargs, lengths)
+        token = _CALL.set(call)  # as call.scope(), without a generator's overhead on the hot path
+        try:
+            return runtime.run(module, call)
+        finally:
+            _CALL.reset(token)
 
 
 def install(module, call_type) -> None:
@@ -170,6 +243,7 @@ class HFCall(Call):
 
     any_padding = True
     causal = False
+    extra_inputs: tuple[str, ...] = ()  # more keyword arguments a family's ragged arm takes (a decoder's cache)
 
     def __init__(self, body, module, kwargs: dict, lengths):
         self.body, self.module, self.kwargs, self.lengths = body, module, kwargs, lengths
@@ -204,14 +278,31 @@ class HFCall(Call):
         kwargs = self.kwargs
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
             return "output_attentions (the ragged arm computes no attention weights)"
-        if kwargs.get("use_cache"):
-            return "use_cache (a KV cache; pass use_cache=False for scoring)"
+        cache = self._cache_reason(config)
+        if cache is not None:
+            return cache
         if not isinstance(hidden, bool) and hidden is not None:
             return "output_hidden_states names layers"
         for name, value in kwargs.items():
-            if value is not None and name not in _INPUTS and name not in _FLAGS:
+            if value is not None and name not in _INPUTS and name not in _FLAGS and name not in self.extra_inputs:
                 return f"argument {name} (not supported by the ragged arm)"
         return None
+
+    def _cache_reason(self, config) -> str | None:
+        """Why the call's KV-cache arguments keep it padded (an encoder builds no cache), or None."""
+        if self.kwargs.get("use_cache"):
+            return "use_cache (a KV cache; pass use_cache=False for scoring)"
+        return None
+
+    @contextlib.contextmanager
+    def scope(self):
+        """This call as `current_call()` inside the block (the wrapped forward does this; so must anything that
+        runs the runtime's arms on a call directly, e.g. `autoragged._measure.ArmRunner`)."""
+        token = _CALL.set(self)
+        try:
+            yield self
+        finally:
+            _CALL.reset(token)
 
     @property
     def x(self):

@@ -25,7 +25,6 @@ attention): wrapped, they always run padded, with that reason.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ from .._encoder import EncoderLayerSpec, encoder_values
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import _hf
-from .base import Body, EpochCache
+from .base import EpochCache
 
 __all__ = ["ADAPTER", "FAMILIES"]
 
@@ -180,27 +179,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _positions(layout, rows: int, device) -> torch.Tensor:
-    """(1, rows) int64: each packed row's position within its sequence (rows past the batch: anything)."""
-    offsets = layout.device_meta(device)[0].to(torch.int64)
-    row = torch.arange(rows, device=device)
-    comp = torch.searchsorted(offsets[1:].contiguous(), row, right=True).clamp_(max=offsets.shape[0] - 2)
-    return (row - offsets[comp])[None]
-
-
-class HFEncoderBody(Body):
-    batch_first = True
-
+class HFEncoderBody(_hf.HFBody):
     def __init__(self, module: PreTrainedModel):
-        super().__init__(module)
+        family = FAMILIES[module.config.model_type]
+        super().__init__(module, family, family.layer_list(module))
         config = module.config
-        self.module, self.config = module, config
-        self.family = family = FAMILIES[config.model_type]
-        self.forward_of = functools.partial(type(module).forward.__get__)
-        self._list = family.layer_list(module)
-        self._list_dict, self._count = self._list._modules, len(self._list)
         self._specs = EpochCache(self._make_specs)
-        self._probe = EpochCache(lambda: next(self.module.parameters()))
         self.pools_first_token = family.pool is not None and getattr(module, "pooler", None) is not None
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
@@ -244,24 +228,6 @@ class HFEncoderBody(Body):
                 return "local (sliding-window) attention layers: the ragged attention kernel has no windows"
         return None
 
-    def probe(self) -> torch.Tensor:
-        return self._probe.get()
-
-    def hooked(self) -> bool:
-        return _hf.hidden_hooked(self._hook_dicts)
-
-    def layers_moved(self, module) -> bool:
-        return self._list._modules is not self._list_dict or len(self._list) != self._count
-
-    def restructured(self, module) -> bool:
-        if super().restructured(module):
-            return True
-        self._list_dict, self._count = self._list._modules, len(self._list)
-        return False
-
-    def embed(self, module, kwargs) -> torch.Tensor:
-        return self.family.embed(module, kwargs)
-
     def values(self, x, layout, config, causal, hidden=None):
         family = self.family
         if family.first is not None:
@@ -277,7 +243,7 @@ class HFEncoderBody(Body):
         """ModernBERT's own layer modules on (1, rows, D), our varlen kernel as their attention."""
         base = self.module
         h = x[None]
-        positions = _positions(layout, x.shape[0], x.device)
+        positions = _hf.positions(layout, x.shape[0], x.device)
         with _hf.ragged_attention_of(base.config, layout, config):
             rotary = {t: base.rotary_emb(h, positions, t) for t in set(base.config.layer_types)}
             for layer in base.layers:
@@ -311,14 +277,14 @@ class HFEncoderAdapter:
 
     def targets(self, model: nn.Module) -> list[nn.Module]:
         """Base models (a model that is its own `base_model`) of the families above, in module order."""
-        return [m for m in model.modules() if _is_base(m) and m.config.model_type in FAMILIES]
+        return [m for m in model.modules() if _hf.is_base(m) and m.config.model_type in FAMILIES]
 
     def skipped(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
         """HF base models of other families, with why (`wrap` names those no adapter takes)."""
         return [
             (m, f"{type(m).__name__} (model_type {m.config.model_type!r}) is not a family autoragged runs")
             for m in model.modules()
-            if _is_base(m) and m.config.model_type not in FAMILIES
+            if _hf.is_base(m) and m.config.model_type not in FAMILIES
         ]
 
     def bind(self, module) -> HFEncoderBody:
@@ -329,10 +295,6 @@ class HFEncoderAdapter:
 
     def uninstall(self, module) -> None:
         _hf.uninstall(module)
-
-
-def _is_base(m) -> bool:
-    return isinstance(m, PreTrainedModel) and m.base_model is m
 
 
 ADAPTER = HFEncoderAdapter()
