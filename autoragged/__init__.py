@@ -60,6 +60,7 @@ _LAZY = {
     "wrap": ("._dispatch", "wrap"),
     "unwrap": ("._dispatch", "unwrap"),
     "recent_decisions": ("._dispatch", "recent_decisions"),
+    "graph_stats": ("._dispatch", "graph_stats"),
     "flush": ("._dispatch", "flush"),
     "nn": (".nn", None),
     "ops": (".ops", None),

@@ -40,9 +40,14 @@ _WINDOW = 8
 
 @dataclass(frozen=True)
 class Plan:
+    """arm: the chosen arm; predicted_ms: arm label -> ms; reason: why; eager, eager_ms: the best arm that is
+    not a graph (what runs where the chosen graph is not captured) and its ms, where the planner chose."""
+
     arm: Arm
     predicted_ms: dict[str, float]
     reason: str
+    eager: Arm | None = None
+    eager_ms: float = 0.0
 
 
 def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
@@ -133,7 +138,9 @@ class Planner:
                 predicted[unmeasured] *= scale
                 reason += f" and {used} of {choosable} arms measured on this device (the rest scaled by {scale:.2f})"
         best = int(np.argmin([np.inf if a.mask_only else p for a, p in zip(arms, predicted)]))
-        plan = Plan(arms[best], {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}, reason)
+        eager = int(np.argmin([np.inf if a.graph else p for a, p in zip(arms, predicted)]))
+        labelled = {a.label: round(float(p), 4) for a, p in zip(arms, predicted)}
+        plan = Plan(arms[best], labelled, reason, arms[eager], labelled[arms[eager].label])
         self._arms[key] = arms
         self._cache[key] = plan
         if len(self._cache) > _CACHE_SIZE:

@@ -42,6 +42,7 @@ from typing import Any
 from ._costmodel import FEATURE_VERSION
 from ._planner import bucket_key
 from .kernels._config import KernelConfig
+from .runtime.graphs import CAPTURE_NEXT, NOT_WORTH
 from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, ModelRecord, TuningDB, config_key, default_path
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "Share",
     "TimeSaved",
     "Regret",
+    "GraphEvents",
 ]
 
 log = logging.getLogger("autoragged")
@@ -137,6 +139,19 @@ class Regret:
 
 
 @dataclass
+class GraphEvents:
+    """CUDA-graph captures and evictions of one module, from its decisions' reasons (the runtime notes them on
+    the batch after whose eager run a graph was captured). captures: graphs captured so; evictions: graphs
+    evicted to keep a new one within the module's cap or memory budget; declined: batches run eagerly because
+    a capture would not have paid yet; failed: captures that failed."""
+
+    captures: int = 0
+    evictions: int = 0
+    declined: int = 0
+    failed: int = 0
+
+
+@dataclass
 class ModuleSummary:
     """The decisions of one wrapped module kind (one `ModuleSignature.key`) on one device.
 
@@ -164,6 +179,7 @@ class ModuleSummary:
     mape_batches: int
     saved: TimeSaved
     regret: Regret
+    graphs: GraphEvents = field(default_factory=GraphEvents)
 
 
 @dataclass
@@ -461,6 +477,23 @@ def _regret(decisions: Iterable[Decision]) -> Regret:
     )
 
 
+_EVICTED = re.compile(r"; (\d+) graphs? evicted")
+
+
+def _graph_events(decisions: Iterable[Decision]) -> GraphEvents:
+    g = GraphEvents()
+    for d in decisions:
+        reason = d.reason
+        if "graph" not in reason:
+            continue
+        g.captures += CAPTURE_NEXT in reason and "graph capture failed" not in reason
+        g.declined += NOT_WORTH in reason
+        g.failed += "graph capture failed:" in reason
+        evicted = _EVICTED.search(reason)
+        g.evictions += int(evicted.group(1)) if evicted else 0
+    return g
+
+
 def _module(device: str, signature: str, decisions: list[Decision]) -> ModuleSummary:
     n = len(decisions)
     fallbacks = Counter(d.reason for d in decisions if _forced(d) and _is_padded(d.arm))
@@ -481,6 +514,7 @@ def _module(device: str, signature: str, decisions: list[Decision]) -> ModuleSum
         mape_batches=mape_batches,
         saved=_time_saved(decisions),
         regret=_regret(decisions),
+        graphs=_graph_events(decisions),
     )
 
 
@@ -698,6 +732,13 @@ def _module_blocks(m: ModuleSummary) -> list[tuple]:
         rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.decided_by.items()]
         blocks.append(("table", ["decided by", "batches", "share"], rows))
     blocks.append(("table", ["measured on sampled batches", "value"], _checks_rows(m)))
+    g = m.graphs
+    if g.captures or g.evictions or g.declined or g.failed:
+        rows = [("captured (after the batch's eager run)", g.captures),
+                ("evicted (the module's graph cap or memory budget)", g.evictions),
+                ("batches run eagerly: a capture would not have paid yet", g.declined),
+                ("failed captures (the bucket then runs eagerly)", g.failed)]  # fmt: skip
+        blocks.append(("table", ["CUDA graphs", "count"], rows))
     s = m.saved
     if s.batches:
         title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
