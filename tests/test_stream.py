@@ -1,6 +1,6 @@
 """Streams of new batches, on CPU: the capture policy (graphs faked: no GPU here), the graph cache's memory
 budget and its evictions (counted, recorded, reported), the mask-only shapes judged one batch behind and the
-read's cost."""
+read's cost, and `autoragged.warmup`."""
 
 import re
 import time
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from _fakes import Fixed, Prefers
-from autoragged.tuning_db import BatchStats, Decision, TuningDB
+from autoragged.tuning_db import BatchStats, Decision, Measurement, TuningDB
 from torch import nn
 
 import autoragged
@@ -348,3 +348,83 @@ def test_peek_never_waits_for_a_copy():
     assert record._pending is not None  # peek changes nothing
     done = Record(BatchStats.from_lengths((2, 1)), PADDED, {}, "read", None, "sig")
     assert done.peek().total == 3
+
+
+# -- warmup ---------------------------------------------------------------------------------------------------
+def test_warmup_runs_a_workload_through_every_wrapped_module_on_cpu(tmp_path, reference_ops):
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = make_encoder(), make_encoder(layers=1)
+
+    model = autoragged.wrap(Two(), db=tmp_path / "t.sqlite")
+    s = autoragged.warmup(model, "CoLA", batch_sizes=[4, 8], batches=3, progress=False)
+    assert s.modules == 2 and s.batches == 2 * 2 * 3 and not s.skipped and s.graphs == 0 and s.seconds > 0
+    rt = model.a._autoragged
+    assert len(rt.ring) == 6 and rt.mask_shapes  # the shapes are judged (and trusted) ahead of traffic
+    assert rt.recording  # on again after the warm-up
+    assert autoragged.flush() == 0  # nothing synthetic reached the database
+    with torch.inference_mode():
+        model.a(*batch([5, 2])[:1], lengths=[5, 2])
+    assert autoragged.flush() == 1
+    # a sample of lengths, explicit batches, both kinds of input
+    s = autoragged.warmup(model, [3, 7, 11, 30], batch_sizes=[2], batches=2, inputs="both", progress=False)
+    assert s.batches == 2 * 2 * 2
+    s = autoragged.warmup(model.b, [[5, 1], [7, 7, 2]], progress=False)
+    assert s.batches == 2 and s.modules == 1
+
+
+def test_warmup_errors_say_what_to_do():
+    enc = make_encoder()
+    with pytest.raises(ValueError, match="no wrapped module in TransformerEncoder: call autoragged.wrap"):
+        autoragged.warmup(enc, "CoLA")
+    autoragged.wrap(enc, db=False)
+    with pytest.raises(ValueError, match="unknown workload 'Cola'"):
+        autoragged.warmup(enc, "Cola", progress=False)
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        autoragged.warmup(enc, "CoLA", inputs="ids", progress=False)
+    with pytest.raises(ValueError, match="needs the module's tuning database"):
+        autoragged.warmup(enc, "calibration", progress=False)
+    with pytest.raises(ValueError, match="non-empty lists of lengths"):
+        autoragged.warmup(enc, [[3, 1], []], progress=False)
+
+
+def test_warmup_from_the_calibrations_shapes(tmp_path, reference_ops):
+    from autoragged._device import device_key
+
+    path = tmp_path / "t.sqlite"
+    enc = autoragged.wrap(make_encoder(), db=path)
+    key = device_key("cpu").key
+    shapes = [(3, 9, 20), (5, 12, 31)]
+    with TuningDB.open(path) as db:
+        db.add_measurements(
+            Measurement(
+                key,
+                "other-signature",
+                "padded",
+                None,
+                BatchStats.from_lengths((n, *[m] * (b - 1))),
+                1.0,
+                1.0,
+                1.0,
+                3,
+                time.time(),
+            )  # fmt: skip
+            for b, n, m in ((3, 9, 5), (5, 12, 4))
+        )
+    s = autoragged.warmup(enc, "calibration", progress=False)
+    assert s.batches == len(shapes)
+    seen = sorted((d.stats.batch, d.stats.max_len, d.stats.total) for d in autoragged.recent_decisions(enc, 2))
+    assert seen == [(3, 9, 19), (5, 12, 28)]
+
+
+def test_warmup_of_a_huggingface_bert_clips_to_its_positions(reference_ops):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=50, max_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    autoragged.wrap(model, db=False)
+    s = autoragged.warmup(model, [3, 9, 30], batch_sizes=[3], batches=3, inputs="both", progress=False)
+    assert s.modules == 1 and s.batches == 6 and not s.skipped
+    assert all(d.stats.max_len <= 16 for d in autoragged.recent_decisions(model, 6))

@@ -134,3 +134,16 @@ def test_a_trusted_shape_judged_one_batch_behind_never_synchronises():
     assert all("not read" in d.reason for d in decisions)
     assert [d.stats.total for d in decisions] == totals
     assert rt.mask_shapes[rt._shape_key(B, L)][0] > dispatch._TRUST  # judged again (and kept) along the way
+
+
+def test_warmup_on_the_gpu_leaves_the_model_right():
+    enc = autoragged.wrap(encoder(), db=False)
+    s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)
+    assert s.modules == 1 and s.batches == 12 and s.seconds > 0
+    assert s.graph_bytes == enc._autoragged.graphs.kept_bytes and len(s.captured) <= s.graphs + s.evictions
+    lengths = [60, 21, 9, 33, 47, 58, 12, 30]
+    x, mask = batch(lengths)
+    with torch.inference_mode():
+        y = enc(x, src_key_padding_mask=mask)
+        want = enc._autoragged.body.base.forward(enc, x, None, mask, None)
+    torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)

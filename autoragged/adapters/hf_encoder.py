@@ -262,6 +262,26 @@ class HFEncoderBody(Body):
     def embed(self, module, kwargs) -> torch.Tensor:
         return self.family.embed(module, kwargs)
 
+    @property
+    def max_tokens(self) -> int | None:
+        """The longest sequence the model's position embeddings take (RoBERTa's start at padding_idx + 1)."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and self.config.model_type in ("roberta", "xlm-roberta", "camembert"):
+            limit -= (self.config.pad_token_id or 0) + 1
+        return limit
+
+    def synthetic(self, lengths, L: int, device, mask: bool = True) -> tuple[tuple, dict]:
+        """(args, kwargs) of a call of this base model on `lengths` padded to L (right padding): token ids
+        within the vocabulary, and the attention mask (1 = token) or `lengths=` (`autoragged.warmup`)."""
+        from ..runtime.core import pad_mask
+
+        token = min(5, self.config.vocab_size - 1)
+        ids = torch.full((len(lengths), L), token, dtype=torch.long, device=device)
+        if mask:
+            keep = ~pad_mask(tuple(lengths), L, torch.device(device))
+            return (), {"input_ids": ids, "attention_mask": keep.long()}
+        return (), {"input_ids": ids, "lengths": list(lengths)}
+
     def values(self, x, layout, config, causal, hidden=None):
         family = self.family
         if family.first is not None:
