@@ -1,7 +1,8 @@
 """Streams of new batches, on CPU: the capture policy (graphs faked: no GPU here), the graph cache's memory
 budget and its evictions (counted, recorded, reported), the mask-only shapes judged one batch behind and the
-read's cost, and `autoragged.warmup`."""
+read's cost, `autoragged.warmup`, and the stream benchmark's smoke run."""
 
+import json
 import re
 import time
 
@@ -428,3 +429,24 @@ def test_warmup_of_a_huggingface_bert_clips_to_its_positions(reference_ops):
     s = autoragged.warmup(model, [3, 9, 30], batch_sizes=[3], batches=3, inputs="both", progress=False)
     assert s.modules == 1 and s.batches == 6 and not s.skipped
     assert all(d.stats.max_len <= 16 for d in autoragged.recent_decisions(model, 6))
+
+
+# -- the stream benchmark ---------------------------------------------------------------------------------------
+def test_stream_table_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
+    pytest.importorskip("transformers")
+    from benchmarks import stream_table
+
+    out = tmp_path / "stream.json"
+    argv = ["--device", "cpu", "--tiny", "--models", "cora", "bert-base", "--datasets", "CoLA", "--batch-sizes", "3",
+            "--warm", "1", "--batches", "2", "--before", "--warmup-call", "--warmup-batches", "2", "--out", str(out)]  # fmt: skip
+    assert stream_table.main(argv) == 0
+    results = json.loads(out.read_text())
+    cora, bert = results["models"]["cora"]["rows"][0], results["models"]["bert-base"]["rows"][0]
+    for row in (cora, bert):
+        assert row["tokens"] > 0 and row["auto"] > 0 and row["auto_lengths"] > 0 and row["auto_warmed"] > 0
+        assert set(row["failed"]) == {"varlen", "ragged_graph"}  # CUDA only
+        assert row["auto_max_err"] < 1e-3 and row["diag"]["auto"]["mask_reads"] <= 2
+    assert cora["pytorch_fast"] > 0 and cora["pytorch_nofast"] > 0 and bert["hf_sdpa"] > 0
+    assert cora["diag"]["auto_warmed"]["warmup"]["batches"] == 2
+    assert stream_table._strip(["--fresh-process", "--quick", "--columns", "auto", "x", "--out", "p", "--warm", "0"],
+                               ("--fresh-process", "--out", "--columns")) == ["--quick", "--warm", "0"]  # fmt: skip
