@@ -56,7 +56,9 @@ with a half-life of `_HALF_LIFE` lookups) times a horizon of as many lookups as 
 (capture once the saving forgone has reached the capture's cost), and the floor assumes a stream lasts a few
 hundred batches more. Capture cost: the least of the recent captures of the same kind (ragged or padded, its
 io, its linears, a cuBLAS graph's row choice) as a multiple of the eager arm's ms, times this batch's; the
-least, because a capture that also compiled Triton kernels costs far more than the next. Such a capture
+first capture of a kind is left out and the least taken, because a capture that also compiled Triton kernels
+(the first, mostly) costs far more than the next, and an estimate that high would decline every later
+capture of the kind (none would come to lower it). Such a capture
 happens after the batch's own eager run is queued (`capture_deferred`): no device drain before it (see
 `_warm_and_capture`), so the GPU runs the batch while the host records the graph.
 """
@@ -579,6 +581,7 @@ class GraphCache:
         self.declined = 0
         self.kept_bytes = 0
         self.costs: dict[str, deque[float]] = {}  # kind -> capture ms / eager ms of its recent captures
+        self.kinds: set[str] = set()  # kinds captured once (that capture, compiles and all, is not a sample)
         self.deferred: tuple | None = None  # a capture to make once the batch's eager run is queued
         self._ptrs: tuple[int, ...] | None = None
         # bumped whenever a graph leaves the cache (evicted, cleared, dropped for moved parameters): a caller
@@ -722,7 +725,9 @@ class GraphCache:
         graph.key, graph.capture_ms = key, ms
         graph.nbytes = max(after[0] - before[0], after[1] - before[1], 0)
         self.capture_ms += ms
-        if eager_ms is not None and eager_ms > 0 and math.isfinite(eager_ms):
+        if kind not in self.kinds:
+            self.kinds.add(kind)
+        elif eager_ms is not None and eager_ms > 0 and math.isfinite(eager_ms):
             self.costs.setdefault(kind, deque(maxlen=_COST_SAMPLES)).append(ms / eager_ms)
         self.graphs[key] = graph
         self.kept_bytes += graph.nbytes
