@@ -26,6 +26,8 @@ Columns, CoRa encoder (6 x 512, fp16), called with the key padding mask unless s
   auto_before      (--before) auto with the rules before the capture policy: capture at a bucket's second sight,
                    16 graphs a module, (B, L) mask shapes trusted after 3 reads and read every 16th batch
   auto_warmed      (--warmup-call) auto after autoragged.warmup(model, <the row's workload>, batch_sizes=[B])
+  auto_recheck     (--ablate) auto with the capture policy but the mask rules before (read every 16th, ...)
+  auto_nopolicy    (--ablate) auto with the mask rules of now but captures at the second sight, 16 graphs
 HF bert-base (random weights, fp16, sdpa): hf_sdpa (the model's own padded forward), varlen (the model's
 modules on packed tokens, varlen_attn), ragged, ragged_graph, auto, auto_lengths (and the optional ones).
 For wrapped columns the JSON also has, over the timed stream, the arms that ran, the batches that read their
@@ -70,8 +72,8 @@ from benchmarks._common import environment, header, require_cuda, table, write_j
 
 CORA_COLUMNS = ["pytorch_fast", "pytorch_nofast", "varlen", "ragged", "ragged_graph", "auto", "auto_lengths"]
 HF_COLUMNS = ["hf_sdpa", "varlen", "ragged", "ragged_graph", "auto", "auto_lengths"]
-OPTIONAL = ["auto_before", "auto_warmed"]
-WRAPPED = ("ragged", "auto", "auto_lengths", "auto_before", "auto_warmed")
+OPTIONAL = ["auto_before", "auto_warmed", "auto_recheck", "auto_nopolicy"]
+WRAPPED = ("ragged", "auto", "auto_lengths", *OPTIONAL)
 QUICK = (["CoLA", "MNLI", "RACE"], [32, 128])
 
 
@@ -122,12 +124,15 @@ def _hf_varlen(plain):
     return VarlenPeer(plain)
 
 
-def _legacy(model) -> None:
-    """The rules before the capture policy and one-batch-behind mask judging, on every wrapped module."""
+def _legacy(model, captures: bool = True, masks: bool = True) -> None:
+    """The rules before the capture policy (capture at the second sight, 16 graphs) and before one-batch-behind
+    mask judging, or one of them, on every wrapped module."""
     for m in model.modules():
         runtime = m.__dict__.get("_autoragged")
-        if runtime is not None:
-            runtime.capture_policy, runtime.mask_reads, runtime.graph_cap = False, "recheck", 16
+        if runtime is not None and captures:
+            runtime.capture_policy, runtime.graph_cap = False, 16
+        if runtime is not None and masks:
+            runtime.mask_reads = "recheck"
 
 
 def _caller(model, hf: bool, lengths: bool = False):
@@ -171,8 +176,8 @@ def make_column(col: str, family: str, plain, args, dataset: str, batch: int):
     options = {"db": False, "policy": "ragged", "sample_every": 0} if forced else {"db": args.db}
     model = autoragged.wrap(copy.deepcopy(plain), **options)
     info: dict = {}
-    if col == "auto_before":
-        _legacy(model)
+    if col in ("auto_before", "auto_recheck", "auto_nopolicy"):
+        _legacy(model, captures=col != "auto_recheck", masks=col != "auto_nopolicy")
     if col == "auto_warmed":
         s = autoragged.warmup(model, dataset, batch_sizes=[batch], batches=args.warmup_batches, progress=False,
                               seed=12345)  # fmt: skip
@@ -322,13 +327,21 @@ def _ratios(row: dict) -> None:
         row["auto_vs_varlen"] = row["varlen"] / auto
     if row.get("auto_lengths"):
         row["auto_over_lengths"] = auto / row["auto_lengths"]  # <= 1.15
-    if row.get("auto_before"):
-        row["before_over_auto"] = row["auto_before"] / auto
+    for col in ("auto_before", "auto_recheck", "auto_nopolicy"):
+        if row.get(col):
+            row[f"{col[5:]}_over_auto"] = row[col] / auto
 
 
 def summarize(rows: list[dict]) -> dict:
     out = {}
-    for key in ("auto_vs_best", "auto_vs_varlen", "auto_over_lengths", "before_over_auto"):
+    for key in (
+        "auto_vs_best",
+        "auto_vs_varlen",
+        "auto_over_lengths",
+        "before_over_auto",
+        "recheck_over_auto",
+        "nopolicy_over_auto",
+    ):
         vals = [r[key] for r in rows if r.get(key)]
         if vals:
             out[f"geomean_{key}"] = math.exp(float(np.mean(np.log(vals))))
@@ -340,8 +353,9 @@ def print_table(family: str, rows: list[dict], columns: list[str]) -> None:
     cols = [("dataset", "dataset", ""), ("batch", "B", "d")] + [(c, c, ".3f") for c in columns]
     cols += [("auto_vs_best", "best eager / auto", ".2f"), ("auto_vs_varlen", "varlen / auto", ".2f"),
              ("auto_over_lengths", "auto / auto_lengths", ".2f")]  # fmt: skip
-    if "auto_before" in columns:
-        cols.append(("before_over_auto", "before / auto", ".2f"))
+    for col in ("auto_before", "auto_recheck", "auto_nopolicy"):
+        if col in columns:
+            cols.append((f"{col[5:]}_over_auto", f"{col[5:]} / auto", ".2f"))
     print(f"\n## {family}: ms per batch over the timed stream (back to back, no sync between batches)\n")
     print(table(rows, cols))
     for r in rows:
@@ -380,7 +394,7 @@ def fresh_processes(args, argv: list[str]) -> int:
     variants = [["auto"]] + ([["auto_warmed"]] if args.warmup_call else [])
     if args.user_columns:
         variants = [[c] for c in args.user_columns]
-    passthrough = _strip(argv, ("--fresh-process", "--out", "--columns", "--warmup-call", "--before"))
+    passthrough = _strip(argv, ("--fresh-process", "--out", "--columns", "--warmup-call", "--before", "--ablate"))
     results = []
     for cols in variants:
         cache = tempfile.mkdtemp(prefix="triton-cache-")
@@ -442,6 +456,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--columns", nargs="+", help="subset of the model's columns and the optional ones")
     p.add_argument("--before", action="store_true", help="also auto_before (the rules before the capture policy)")
     p.add_argument("--warmup-call", action="store_true", help="also auto_warmed: autoragged.warmup() first")
+    p.add_argument("--ablate", action="store_true", help="also auto_recheck and auto_nopolicy (one rule each)")
     p.add_argument("--warmup-batches", type=int, default=24, help="warmup()'s batches per size (default 24)")
     p.add_argument("--fresh-process", action="store_true", help="cold start in fresh processes (see above)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -477,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
             env["transformers"] = transformers.__version__
         known = CORA_COLUMNS if family == "cora" else HF_COLUMNS
         columns = list(args.user_columns or known)
-        columns += [c for c, on in (("auto_before", args.before), ("auto_warmed", args.warmup_call)) if on]
+        extra = {"auto_before": args.before, "auto_warmed": args.warmup_call, "auto_recheck": args.ablate,
+                 "auto_nopolicy": args.ablate}  # fmt: skip
+        columns += [c for c, on in extra.items() if on]
         unknown = sorted(set(columns) - set(known) - set(OPTIONAL))
         if unknown:
             p.error(f"unknown columns {unknown} for {name}; choose from {known + OPTIONAL}")

@@ -441,12 +441,15 @@ def test_stream_table_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
 
     out = tmp_path / "stream.json"
     argv = ["--device", "cpu", "--tiny", "--models", "cora", "bert-base", "--datasets", "CoLA", "--batch-sizes", "3",
-            "--warm", "1", "--batches", "2", "--before", "--warmup-call", "--warmup-batches", "2", "--out", str(out)]  # fmt: skip
+            "--warm", "1", "--batches", "2", "--before", "--ablate", "--warmup-call", "--warmup-batches", "2",
+            "--out", str(out)]  # fmt: skip
     assert stream_table.main(argv) == 0
     results = json.loads(out.read_text())
     cora, bert = results["models"]["cora"]["rows"][0], results["models"]["bert-base"]["rows"][0]
     for row in (cora, bert):
-        assert row["tokens"] > 0 and row["auto"] > 0 and row["auto_lengths"] > 0 and row["auto_warmed"] > 0
+        assert row["tokens"] > 0 and all(row[c] > 0 for c in ("auto", "auto_lengths", "auto_warmed", "auto_before",
+                                                              "auto_recheck", "auto_nopolicy"))  # fmt: skip
+        assert row["before_over_auto"] > 0 and row["recheck_over_auto"] > 0
         assert set(row["failed"]) == {"varlen", "ragged_graph"}  # CUDA only
         assert row["auto_max_err"] < 1e-3 and row["diag"]["auto"]["mask_reads"] <= 2
     assert cora["pytorch_fast"] > 0 and cora["pytorch_nofast"] > 0 and bert["hf_sdpa"] > 0
