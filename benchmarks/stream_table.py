@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import math
 import os
@@ -314,6 +315,7 @@ def bench_row(family, plain, dataset, batch, args, device) -> dict:
         if col in ("auto", "auto_warmed"):
             row[f"{col}_max_err"] = _check(fn, plain, timed[-1], family)
         del fn, model
+        gc.collect()  # a wrapped module and its runtime refer to each other: free its graphs before the next column
     _ratios(row)
     return row
 
@@ -388,6 +390,8 @@ def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
         row[f"{col}_cold_ms"], row[f"{col}_warm_ms"] = 1e3 * cold, 1e3 * warm
         row[f"{col}_cold_over_warm"] = cold / warm
         row["diag"][col] = {"setup_s": round(setup, 3), **info, **_graph_totals(model)}
+        del fn, model
+        gc.collect()
     return row
 
 
