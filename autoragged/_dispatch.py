@@ -95,6 +95,7 @@ def wrap(
         runtime = Runtime(module, adapter, options)
         module._autoragged = runtime
         adapter.install(module)
+        runtime.preload()
         if runtime.static_reason:
             padded_forever.append(f"{type(module).__name__} ({runtime.sig_key}): {runtime.static_reason}")
     if padded_forever or skipped:

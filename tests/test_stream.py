@@ -266,6 +266,16 @@ def test_the_report_counts_captures_evictions_and_declines(tmp_path):
 
 
 # -- wrap's options and the stats API -------------------------------------------------------------------------
+def test_wrap_makes_the_planner_before_the_first_batch():
+    """The database read and the cost model's decoding are paid at wrap, not by the stream's first batch."""
+    enc = autoragged.wrap(make_encoder(), db=False)
+    planner = enc._autoragged.planners[torch.device("cpu")]
+    with torch.inference_mode():
+        enc(*batch([5, 2])[:1], lengths=[5, 2])
+    assert enc._autoragged.planners[torch.device("cpu")] is planner
+    assert not autoragged.wrap(make_encoder(), db=False, policy="ragged")._autoragged.planners
+
+
 def test_graph_cap_is_sized_from_memory_unless_given():
     enc = autoragged.wrap(make_encoder(), db=False)
     assert enc._autoragged.graph_cap is None

@@ -175,6 +175,19 @@ class Runtime:
         self.pipelined = False  # the last read (or one-behind verdict) found the GPU still busy: the host is ahead
         self.pads_ring: PadsRing | None = None
 
+    def preload(self) -> None:
+        """Make the planner of the module's device now: the device key, the database opened and the calibrated
+        cost model decoded, which the first batch would pay otherwise (`wrap` calls this). A failure here is
+        left for that first batch to raise."""
+        if self.policy != "auto" or self.static_reason:
+            return
+        try:
+            device = self._param().device
+            if device not in self.planners:
+                self.planners[device] = self._make_planner(device)
+        except Exception as e:  # noqa: BLE001 - the lazy path makes the planner again, and says what is wrong
+            log.debug("autoragged %s: no planner made at wrap: %s", self.sig_key, e)
+
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: the body holds the modules."""
