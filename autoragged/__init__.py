@@ -60,6 +60,8 @@ _LAZY = {
     "wrap": ("._dispatch", "wrap"),
     "unwrap": ("._dispatch", "unwrap"),
     "recent_decisions": ("._dispatch", "recent_decisions"),
+    "graph_stats": ("._dispatch", "graph_stats"),
+    "warmup": ("._warmup", "warmup"),
     "flush": ("._dispatch", "flush"),
     "nn": (".nn", None),
     "ops": (".ops", None),

@@ -19,7 +19,7 @@ from .kernels._config import KernelConfig
 from .runtime.core import POLICIES, Options, Runtime
 from .tuning_db import Decision, default_path
 
-__all__ = ["wrap", "unwrap", "recent_decisions", "flush", "POLICIES"]
+__all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "POLICIES"]
 
 log = logging.getLogger("autoragged")
 
@@ -45,7 +45,7 @@ def wrap(
     validate_lengths: bool = True,
     config: KernelConfig | None = None,
     graphs: bool = True,
-    graph_cap: int = 16,
+    graph_cap: int | None = None,
 ) -> nn.Module:
     """Make every module of `model` that an adapter can run choose, per batch, between its own padded forward
     and our ragged kernels: `nn.TransformerEncoder` (and `nn.TransformerEncoderLayer` outside one), and the base
@@ -65,8 +65,10 @@ def wrap(
     validate_lengths: when both `lengths=` and a padding mask are given, check they agree, real tokens first
                (one device->host copy); set False to trust `lengths` and skip the copy.
     config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).
-    graphs:    on CUDA, also consider each arm replayed as a CUDA graph of its shape bucket (captured
-               when a bucket recurs, at most `graph_cap` kept per module, least recently used out).
+    graphs:    on CUDA, also consider each arm replayed as a CUDA graph of its shape bucket, captured when the
+               bucket's recurrence promises enough replays to repay the capture (runtime/graphs.py).
+    graph_cap: graphs kept per module, least recently used out; None (default): as many as fit a tenth of the
+               device memory obtainable at the module's first capture (`autoragged.graph_stats` shows them).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -74,8 +76,8 @@ def wrap(
         raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"sample_every must be an int >= 0, got {sample_every!r}")
-    if not isinstance(graph_cap, int) or graph_cap < 1:
-        raise ValueError(f"graph_cap must be an int >= 1, got {graph_cap!r}")
+    if graph_cap is not None and (not isinstance(graph_cap, int) or graph_cap < 1):
+        raise ValueError(f"graph_cap must be None (sized from memory) or an int >= 1, got {graph_cap!r}")
     targets, skipped = _targets(model)
     if not targets:
         raise ValueError(
@@ -95,6 +97,7 @@ def wrap(
         runtime = Runtime(module, adapter, options)
         module._autoragged = runtime
         adapter.install(module)
+        runtime.preload()
         if runtime.static_reason:
             padded_forever.append(f"{type(module).__name__} ({runtime.sig_key}): {runtime.static_reason}")
     if padded_forever or skipped:
@@ -143,6 +146,20 @@ def recent_decisions(model: nn.Module, n: int = 100) -> list[Decision]:
     records = [r for m in model.modules() if hasattr(m, "_autoragged") for r in m._autoragged.ring]
     records.sort(key=lambda r: r.time)
     return [r.decision() for r in records[-n:]] if n > 0 else []
+
+
+def graph_stats(model: nn.Module) -> dict:
+    """{module name: `GraphStats`} for every wrapped module in `model`: CUDA graphs kept, their bytes and
+    budget, captures and their ms, evictions, batches run eagerly because a capture would not have paid."""
+    from .runtime.graphs import GraphStats
+
+    out = {}
+    for name, m in model.named_modules():
+        runtime = m.__dict__.get("_autoragged")
+        if runtime is not None:
+            graphs = runtime.graphs
+            out[name or type(m).__name__] = graphs.stats() if graphs is not None else GraphStats(cap=runtime.graph_cap)
+    return out
 
 
 def flush() -> int:

@@ -40,9 +40,14 @@ _WINDOW = 8
 
 @dataclass(frozen=True)
 class Plan:
+    """arm: the chosen arm; predicted_ms: arm label -> ms; reason: why; eager, eager_ms: the best arm that is
+    not a graph (what runs where the chosen graph is not captured) and its ms, where the planner chose."""
+
     arm: Arm
     predicted_ms: dict[str, float]
     reason: str
+    eager: Arm | None = None
+    eager_ms: float = 0.0
 
 
 def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
@@ -140,8 +145,11 @@ class Planner:
         best = int(np.argmin([np.inf if a.mask_only else p for a, p in zip(arms, predicted)]))
         if not np.isfinite(predicted[best]):  # no arm has a usable prediction: the module as written
             best, reason = 0, reason + "; no arm has a finite prediction: padded"
+        eager = int(np.argmin([np.inf if a.graph else p for a, p in zip(arms, predicted)]))
+        if not np.isfinite(predicted[eager]):
+            eager = 0
         finite = {a.label: round(float(p), 4) for a, p in zip(arms, predicted) if np.isfinite(p)}
-        plan = Plan(arms[best], finite, reason)
+        plan = Plan(arms[best], finite, reason, arms[eager], finite.get(arms[eager].label, 0.0))
         self._arms[key] = arms
         self._cache[key] = plan
         if len(self._cache) > _CACHE_SIZE:

@@ -48,6 +48,7 @@ from typing import Any
 from ._costmodel import FEATURE_VERSION, KINDS
 from ._rollup import arm_label, rollup
 from ._rollup import forced as _forced
+from .runtime.graphs import CAPTURE_NEXT, NOT_WORTH
 from .tuning_db import (
     KEEP_ENV_VAR,
     BucketTotals,
@@ -74,6 +75,7 @@ __all__ = [
     "DeviceSummary",
     "Calibration",
     "ModuleSummary",
+    "GraphEvents",
     "Share",
     "TimeSaved",
     "Regret",
@@ -155,6 +157,20 @@ class Regret:
 
 
 @dataclass
+class GraphEvents:
+    """CUDA-graph captures and evictions of one module, from its decisions' reasons (the runtime notes them on
+    the batch after whose eager run a graph was captured). captures: graphs captured so; evictions: graphs
+    evicted to keep a new one within the module's cap or memory budget; declined: batches run eagerly because
+    a capture would not have paid yet; failed: captures that failed. Decisions already added up into totals
+    keep their reasons with the numbers left out: each such batch counts one eviction."""
+
+    captures: int = 0
+    evictions: int = 0
+    declined: int = 0
+    failed: int = 0
+
+
+@dataclass
 class ModuleSummary:
     """The decisions of one wrapped module kind (one `ModuleSignature.key`) on one device.
 
@@ -185,6 +201,7 @@ class ModuleSummary:
     saved: TimeSaved
     regret: Regret
     rolled_up: int = 0
+    graphs: GraphEvents = field(default_factory=GraphEvents)
 
 
 @dataclass
@@ -464,6 +481,24 @@ def _regret(buckets: Iterable[BucketTotals]) -> Regret:
     )
 
 
+_EVICTED = re.compile(r"; (\d+|#) graphs? evicted")
+
+
+def _graph_events(totals: Iterable[DecisionTotals]) -> GraphEvents:
+    g = GraphEvents()
+    for t in totals:
+        reason = t.reason
+        if "graph" not in reason:
+            continue
+        g.captures += t.batches if CAPTURE_NEXT in reason and "graph capture failed" not in reason else 0
+        g.declined += t.batches if NOT_WORTH in reason else 0
+        g.failed += t.batches if "graph capture failed:" in reason else 0
+        evicted = _EVICTED.search(reason)
+        if evicted:
+            g.evictions += t.batches * (int(evicted.group(1)) if evicted.group(1).isdigit() else 1)
+    return g
+
+
 def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: list[BucketTotals],
             rolled_up: int) -> ModuleSummary:  # fmt: skip
     n = sum(t.batches for t in totals)
@@ -489,6 +524,7 @@ def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: 
         saved=_time_saved(totals),
         regret=_regret(buckets),
         rolled_up=rolled_up,
+        graphs=_graph_events(totals),
     )
 
 
@@ -746,6 +782,13 @@ def _module_blocks(m: ModuleSummary) -> list[tuple]:
         rows = [(reason, n, _pct(n / m.batches)) for reason, n in m.decided_by.items()]
         blocks.append(("table", ["decided by", "batches", "share"], rows))
     blocks.append(("table", ["measured on sampled batches", "value"], _checks_rows(m)))
+    g = m.graphs
+    if g.captures or g.evictions or g.declined or g.failed:
+        rows = [("captured (after the batch's eager run)", g.captures),
+                ("evicted (the module's graph cap or memory budget)", g.evictions),
+                ("batches run eagerly: a capture would not have paid yet", g.declined),
+                ("failed captures (the bucket then runs eagerly)", g.failed)]  # fmt: skip
+        blocks.append(("table", ["CUDA graphs", "count"], rows))
     s = m.saved
     if s.batches:
         title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"

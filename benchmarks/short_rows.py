@@ -112,7 +112,7 @@ def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> dict[str, f
     rt = masked._autoragged
     head = mgraph._io(x)[0]
     B, L = mask.shape
-    shape = rt.mask_shapes[(B, L)]
+    shape = rt.mask_shapes[rt._shape_key(B, L)]
     arm, tokens = shape[1], shape[4]
     pads = mgraph.pads
     call = lambda: TorchCall(rt.body, x, None, mask, None, None)  # noqa: E731

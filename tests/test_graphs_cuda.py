@@ -290,7 +290,9 @@ def test_padded_graph_fed_the_mask_replays_right_and_never_syncs():
         x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
         mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
         # as if judged _TRUST times already
-        rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
+        rt_.mask_shapes[rt_._shape_key(B, L)] = dispatch._shape_entry(
+            dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0}
+        )
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want, _ = run(enc, PADDED, lengths, L=L, seed=i)
@@ -313,7 +315,9 @@ def test_unread_records_keep_their_stats_when_the_pads_ring_wraps():
         # is reallocated mid-round, and records of the old buffer keep their counts); every 16th batch of a
         # shape reads its lengths instead
         for B, n in ((3, 150), (5, 70)):
-            rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
+            rt_.mask_shapes[rt_._shape_key(B, L)] = dispatch._shape_entry(
+                dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0}
+            )
             x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
             for i in range(n):
                 lengths = [L, *(1 + (j * 7 + 1) * i % L for j in range(B - 1))]
@@ -334,7 +338,7 @@ def test_a_trusted_shape_that_measures_slower_fed_the_mask_reads_its_lengths_aga
     B, L = 3, 40
     entry = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded_graph": 1.0})
     entry[5]["read"].append(1e-6)
-    rt_.mask_shapes[(B, L)] = entry
+    rt_.mask_shapes[rt_._shape_key(B, L)] = entry
     x = torch.randn(B, L, D, device="cuda", dtype=torch.float16)
     mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor([L, 7, 20], device="cuda")[:, None]
     reasons = []
@@ -371,7 +375,8 @@ def test_ragged_graph_fed_the_mask_is_right_for_any_padding_and_never_syncs(batc
         x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
         if not batch_first:
             x = x.transpose(0, 1).contiguous()
-        rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 200)  # judged
+        entry = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 200)  # judged
+        rt_.mask_shapes[rt_._shape_key(B, L)] = entry
         with torch.inference_mode():
             y = call_mask(enc, x, mask, no_sync=i >= 1)  # captured by now: a replay must not synchronise
             want = rt_.body.base.forward(enc, x, None, mask, None)
@@ -401,7 +406,7 @@ def test_a_trusted_mask_shape_replays_its_kept_graph_and_notices_what_changed():
     L = 50
     arm = Arm("ragged_graph", graph_config(D // H, L, "triton"))
     entries = {B: dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100) for B in (4, 6)}
-    rt_.mask_shapes.update({(B, L): e for B, e in entries.items()})
+    rt_.mask_shapes.update({rt_._shape_key(B, L): e for B, e in entries.items()})
     fast = []
     replay_unread = rt_._replay_unread
     g = torch.Generator().manual_seed(0)
@@ -502,7 +507,7 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
     rt_.graph_min_seen = 1
     B, L = 4, 48
     arm = Arm("ragged_graph", graph_config(D // H, L, "triton")) if ragged else PADDED_GRAPH
-    rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 120)
+    rt_.mask_shapes[rt_._shape_key(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 120)
     modes = [torch.inference_mode, torch.no_grad, torch.enable_grad]
     g = torch.Generator().manual_seed(0)
     totals = []
@@ -528,7 +533,8 @@ def test_the_mask_paths_take_calls_in_any_grad_mode(ragged):
     decisions = autoragged.recent_decisions(enc, 70)
     assert [d.stats.total for d in decisions] == totals  # every record kept its stats (the pads ring's copies)
     assert sum("not read" in d.reason for d in decisions) >= 60  # every 16th call reads its lengths again
-    assert rt_.mask_shapes[(B, L)][6] is not None  # the shape kept its graph: the later calls took the hot path
+    # the shape kept its graph: the later calls took the hot path
+    assert rt_.mask_shapes[rt_._shape_key(B, L)][6] is not None
 
 
 def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
@@ -547,8 +553,8 @@ def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
     def trusted_calls(n):
         rt_ = enc._autoragged
         rt_.graph_min_seen = 1
-        if (B, L) not in rt_.mask_shapes:
-            rt_.mask_shapes[(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100)
+        if rt_._shape_key(B, L) not in rt_.mask_shapes:
+            rt_.mask_shapes[rt_._shape_key(B, L)] = dispatch._shape_entry(dispatch._TRUST, arm, {arm.label: 1.0}, 100)
         with torch.inference_mode():
             ys = [enc(x, src_key_padding_mask=mask) for _ in range(n)]
             want = _BASE[type(enc)].forward(enc, x, src_key_padding_mask=mask)
@@ -557,7 +563,7 @@ def test_a_layer_replaced_after_capture_is_what_the_next_replay_runs():
         return ys[-1]
 
     before = trusted_calls(4)
-    assert enc._autoragged.mask_shapes[(B, L)][6] is not None  # the hot path's graph is kept
+    assert enc._autoragged.mask_shapes[enc._autoragged._shape_key(B, L)][6] is not None  # the hot path's graph is kept
     enc.layers[1] = encoder().layers[0]  # other weights, a new module
     after = trusted_calls(4)
     assert not torch.allclose(before[keep].float(), after[keep].float(), atol=1e-2)

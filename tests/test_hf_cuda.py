@@ -78,7 +78,7 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs():
     arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
     kwargs, keep = batch()
     B, L = keep.shape
-    rt.mask_shapes[(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
+    rt.mask_shapes[rt._shape_key(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
     plain = model("bert-base", torch.float16, layers=4, pooler=False)
     left = {"input_ids": kwargs["input_ids"].flip(1), "attention_mask": kwargs["attention_mask"].flip(1)}
     with torch.inference_mode():

@@ -4,9 +4,9 @@ routing of unsupported cases with their reasons; unwrap; the decision record."""
 import copy
 import itertools
 
-import numpy as np
 import pytest
 import torch
+from _fakes import Prefers
 from _tolerance import assert_within_torch_error
 from torch import nn
 
@@ -332,20 +332,6 @@ def test_decisions_are_logged(caplog):
     assert len(debug) == 2 and len(info) == 1
 
 
-class _Prefers:
-    """A cost model that makes one side cheapest (the padded arms, or the ragged ones), by far more than a
-    mask read's host time: the read is timed, and the padded side wins when it beats the other side plus the
-    read (with a gap of 1 ms, a busy CI host's slow first reads once made the padded side win)."""
-
-    name = "fake"
-
-    def __init__(self, padded: bool):
-        self.padded = padded
-
-    def predict_ms(self, sig, stats, arms):
-        return np.array([1.0 if arm.kind.startswith("padded") == self.padded else 1000.0 for arm in arms])
-
-
 def _with_model(enc, model):
     from autoragged._planner import Planner
 
@@ -353,26 +339,30 @@ def _with_model(enc, model):
     rt.planners[torch.device("cpu")] = Planner(rt.sig, model)
 
 
+@pytest.mark.parametrize("mask_reads", ["one_behind", "recheck"])
 @pytest.mark.parametrize("padded_wins", [True, False])
-def test_mask_only_batches_of_a_padded_shape_skip_reading_lengths(monkeypatch, padded_wins):
+def test_mask_only_batches_of_a_padded_shape_skip_reading_lengths(monkeypatch, padded_wins, mask_reads):
     enc = make_encoder()
     x, mask = batch(LENGTHS, 64, "cpu")
     with torch.no_grad():
         ref = enc(x, src_key_padding_mask=mask)
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
-    _with_model(enc, _Prefers(padded=padded_wins))
+    enc._autoragged.mask_reads = mask_reads
+    _with_model(enc, Prefers(padded=padded_wins))
     reads = []
     real = dispatch.mask_lengths
     monkeypatch.setattr(dispatch, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
-    n = dispatch._TRUST + 2 * dispatch._RECHECK
+    n = enc._autoragged.trust + 2 * dispatch._RECHECK
     with torch.no_grad():
         outs = [enc(x, src_key_padding_mask=mask) for _ in range(n)]
     for y in outs:
         torch.testing.assert_close(real_tokens(y, LENGTHS), real_tokens(ref, LENGTHS), rtol=1e-4, atol=1e-4)
         assert (pads(y, LENGTHS) == 0).all()
     decisions = autoragged.recent_decisions(enc, n)
-    if padded_wins:  # read until trusted, then once every _RECHECK batches of the shape
-        assert len(reads) == dispatch._TRUST + 2
+    if padded_wins and mask_reads == "recheck":  # read until trusted, then once every _RECHECK batches of the shape
+        assert len(reads) == dispatch._TRUST_RECHECK + 2
+    elif padded_wins:  # read until trusted; then judged one batch behind from the unread batches' stats, no read
+        assert len(reads) == dispatch._TRUST
         unread = [d for d in decisions if "not read" in d.reason]
         assert len(unread) == n - len(reads) and all(d.arm == "padded" for d in unread)
         assert all(d.predicted_ms for d in unread)  # the shape's last judged predictions: not a fallback
@@ -388,7 +378,7 @@ def test_an_unread_batch_with_left_padding_is_still_right():
     enc = make_encoder()
     x, mask = batch(LENGTHS, 64, "cpu")
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
-    _with_model(enc, _Prefers(padded=True))
+    _with_model(enc, Prefers(padded=True))
     with torch.no_grad():
         for _ in range(dispatch._TRUST):
             enc(x, src_key_padding_mask=mask)
@@ -408,12 +398,14 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt.sync_samples.extend([0.1, 40.0])  # a read that waited for queued work does not count
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})  # 0.7 <= 0.65 + 0.1
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
-    streak, arm, _, predicted, _, _, _ = rt.mask_shapes[(8, 40)]
+    key = rt._shape_key(8, 40)
+    assert key == (8, 48) == rt._shape_key(8, 33) == rt._shape_key(8, 45) != rt._shape_key(8, 46)  # L's bucket
+    streak, arm, _, predicted, _, _, _, _ = rt.mask_shapes[key]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
-    assert rt.mask_shapes[(8, 40)][0] == 0
-    rt._judge_shape(8, 40, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
-    assert rt.mask_shapes[(8, 40)][:2] == [1, autoragged._costmodel.PADDED]
+    assert rt.mask_shapes[key][0] == 0
+    rt._judge_shape(8, 45, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
+    assert rt.mask_shapes[key][:2] == [1, autoragged._costmodel.PADDED]
 
 
 def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
@@ -430,16 +422,16 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
     predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
     rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded, tokens, _, _ = rt.mask_shapes[(8, 40)]
+    streak, chosen, _, recorded, tokens, _, _, _ = rt.mask_shapes[rt._shape_key(8, 40)]
     assert streak == 1 and chosen == mask_arm and recorded == predicted
     assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
     rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
-    assert rt.mask_shapes[(8, 40)][0] == 0
+    assert rt.mask_shapes[rt._shape_key(8, 40)][0] == 0
     rt._judge_shape(8, 40, {**predicted, "padded_graph": 0.3}, mask_arm)  # the padded graph wins outright
-    assert rt.mask_shapes[(8, 40)][:2] == [1, autoragged._costmodel.PADDED_GRAPH]
+    assert rt.mask_shapes[rt._shape_key(8, 40)][:2] == [1, autoragged._costmodel.PADDED_GRAPH]
     del predicted[mask_arm.label]  # no prediction for it (graphs off): the padded arms alone
     rt._judge_shape(9, 40, predicted, mask_arm)
-    assert rt.mask_shapes[(9, 40)][0] == 0
+    assert rt.mask_shapes[rt._shape_key(9, 40)][0] == 0
 
 
 class _DoneEvents:
@@ -467,7 +459,7 @@ def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
     for B, read_ms, unread in [(8, 1.0, [1.05, 1.2]), (9, 1.0, [1.2, 1.3])]:
         for _ in range(dispatch._TRUST):
             rt._judge_shape(B, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
-        entry = rt.mask_shapes[(B, 40)]
+        entry = rt.mask_shapes[rt._shape_key(B, 40)]
         probe = entry[5]
         assert entry[0] == dispatch._TRUST and probe["left"] == dispatch._PROBES
         # as run() and _run_unread queue them; _harvest hands each to _probe_result
@@ -476,8 +468,8 @@ def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
             rt.pending.append((ev, ev, 0.0, None, torch.device("cpu"), False, (probe, B, 40, kind)))
         rt._harvest()
         assert not rt.pending
-    assert rt.mask_shapes[(8, 40)][0] == dispatch._TRUST  # 1.05 <= 1.0 + 0.1: it stays trusted
-    lost = rt.mask_shapes[(9, 40)]
+    assert rt.mask_shapes[rt._shape_key(8, 40)][0] == dispatch._TRUST  # 1.05 <= 1.0 + 0.1: it stays trusted
+    lost = rt.mask_shapes[rt._shape_key(9, 40)]
     assert lost[5]["lost"] and lost[0] == 0  # 1.2 > 1.0 + 0.1
     rt._judge_shape(9, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
     assert lost[0] == 0  # the prediction still says the unread arm wins: the measurement stands
@@ -489,7 +481,7 @@ def test_causal_mask_batches_always_read_their_lengths():
     x, mask = batch(LENGTHS, 64, "cpu")
     causal = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
     autoragged.wrap(enc, db=False, policy="auto", sample_every=0)
-    _with_model(enc, _Prefers(padded=True))
+    _with_model(enc, Prefers(padded=True))
     with torch.no_grad():
         for _ in range(dispatch._TRUST + 3):
             got = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)

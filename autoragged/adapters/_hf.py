@@ -178,6 +178,31 @@ class HFBody(Body):
         self._list_dict, self._count = self._list._modules, len(self._list)
         return False
 
+    @property
+    def max_tokens(self) -> int | None:
+        """The longest sequence the model's position embeddings take (RoBERTa's start at padding_idx + 1)."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and self.config.model_type in ("roberta", "xlm-roberta", "camembert"):
+            limit -= (self.config.pad_token_id or 0) + 1
+        return limit
+
+    def synthetic(self, lengths, L: int, device, mask: bool = True) -> tuple[tuple, dict]:
+        """(args, kwargs) of a call of this base model on `lengths` padded to L (right padding): token ids
+        within the vocabulary, and the attention mask (1 = token) or `lengths=` (`autoragged.warmup`); no KV
+        cache asked for where the forward takes `use_cache` (a scoring call)."""
+        from ..runtime.core import pad_mask
+
+        token = min(5, self.config.vocab_size - 1)
+        ids = torch.full((len(lengths), L), token, dtype=torch.long, device=device)
+        kwargs = {"input_ids": ids}
+        if "use_cache" in inspect.signature(type(self.module).forward).parameters:
+            kwargs["use_cache"] = False
+        if mask:
+            kwargs["attention_mask"] = (~pad_mask(tuple(lengths), L, torch.device(device))).long()
+        else:
+            kwargs["lengths"] = list(lengths)
+        return (), kwargs
+
     def embed(self, module, kwargs) -> torch.Tensor:
         """(B, L, D): the first layer's input on the padded call, as the original computes it."""
         return self.family.embed(module, kwargs)

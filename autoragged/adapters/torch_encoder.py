@@ -115,6 +115,15 @@ class TorchEncoderBody(Body):
     def padded_forward(self, module, x, mask):
         return self.base.forward(module, x, None, mask, None)
 
+    def synthetic(self, lengths, L: int, device, mask: bool = True) -> tuple[tuple, dict]:
+        """(args, kwargs) of a call of this module on a batch of `lengths` padded to L (zeros; right padding),
+        with its key padding mask or with `lengths=` (`autoragged.warmup`)."""
+        shape = (len(lengths), L, self.d_model) if self.batch_first else (L, len(lengths), self.d_model)
+        x = torch.zeros(shape, dtype=self.probe().dtype, device=device)
+        if mask:
+            return (x,), {"src_key_padding_mask": pad_mask(tuple(lengths), L, torch.device(device))}
+        return (x,), {"lengths": list(lengths)}
+
     def layers_moved(self, module) -> bool:
         layers = self._layers_dict
         if layers is None:

@@ -7,11 +7,15 @@ module's `Body` (what its layers compute on packed rows, its signature, what it 
 adapter too. Everything else is here, written once:
 
  1. lengths: `lengths=` or a RaggedTensor input (no device sync), or the key padding mask (one small
-    device->host copy), or "all real" when there is neither. A mask-only batch of a (B, L) shape that an
-    arm needing no lengths keeps winning (the copy's cost counted against the others) skips the copy and
+    device->host copy), or "all real" when there is neither. A mask-only batch of a shape (B and the padded
+    graph's length bucket, so the batches one unread graph runs share it) that an arm needing no lengths
+    keeps winning (the read's cost counted against the others: the copy, and where the host runs ahead of
+    the GPU the host time from the read to the next launch, while the drained GPU idles) skips the copy and
     runs that arm on the mask (padded, or the ragged graph fed the mask); its stats reach the record
-    later, without a sync. Once that arm's graph is captured, the shape's batches take a short path from
-    the support checks to the replay (`_replay_unread`);
+    later, without a sync. The shape is judged again, one batch behind, from the stats of one of its unread
+    batches once they have reached the host (`_one_behind`): no read is needed to notice a change. Once that
+    arm's graph is captured, the shape's batches take a short path from the support checks to the replay
+    (`_replay_unread`);
  2. `BatchStats` on the host;
  3. the arm: forced by the policy, forced to padded by anything the ragged arm does not support (the
     reason is recorded), or chosen by the planner;
@@ -34,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._buckets import LADDER_VERSION
+from .._buckets import LADDER_VERSION, padded_bucket
 from .._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from .._device import device_key
 from .._epoch import param_epoch
@@ -54,17 +58,24 @@ _RING = 10_000
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _SUMMARY_EVERY = 1000  # batches between the INFO summary lines of a module
 # Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once an arm that
-# needs no lengths (padded, padded graph, the ragged graph fed the mask) won a (B, L) shape _TRUST times in
-# a row, counting that cost against the others, batches of the shape skip the read (every _RECHECK-th
-# still reads, to notice a change) and run that arm on the mask itself: nothing synchronises.
+# needs no lengths (padded, padded graph, the ragged graph fed the mask) won a shape _TRUST times in a row,
+# counting that cost against the others, batches of the shape skip the read and run that arm on the mask
+# itself: nothing synchronises. Every _REJUDGE-th unread batch of a shape judges it again from the stats of
+# an earlier unread batch that have reached the host (one batch behind, no sync); a shape whose earlier
+# batches' stats have not landed after _RECHECK batches reads its lengths.
 # The verdicts come from predictions; on the GPU they are checked by timing: the judged batches that read
 # lengths and the first _PROBES of a trusted shape run fed the mask are timed with CUDA events (harvested
 # later, never blocking), and a shape whose unread arm measured slower than its read path plus the read is
 # not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23).
-_TRUST = 3
+# Runtime.mask_reads = "recheck" is the rule before one-batch-behind judging (2026-11-24): exact (B, L)
+# shapes, trusted after 3 wins, every 16th batch reading its lengths, the read's cost its own time only.
+_TRUST = 2
+_TRUST_RECHECK = 3
 _RECHECK = 16
+_REJUDGE = 8
 _MAX_SHAPES = 4096
 _PROBES = 3
+_WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
 
 
 @dataclass(frozen=True)
@@ -78,12 +89,13 @@ class Options:
     validate_lengths: bool = True
     config: KernelConfig | None = None
     graphs: bool = True
-    graph_cap: int = 16
+    graph_cap: int | None = None
 
 
 def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
     """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
-    return [streak, arm, 0, predicted or {}, tokens, {"read": [], "unread": [], "left": _PROBES, "lost": False}, None]
+    probe = {"read": [], "unread": [], "left": _PROBES, "lost": False}
+    return [streak, arm, 0, predicted or {}, tokens, probe, None, None]
 
 
 def pad_mask(lens: tuple[int, ...], L: int, device: torch.device) -> torch.Tensor:
@@ -125,7 +137,11 @@ class Runtime:
         self.graphs_enabled = options.graphs
         self.graph_cap = options.graph_cap
         self.graphs = None  # GraphCache, made on the first graph arm
-        self.graph_min_seen = 2  # capture a bucket when it is asked for the second time
+        self.graph_min_seen = 2  # capture a bucket at its second sight at the earliest
+        # False: capture a bucket at its second sight, at once, cost or not (the rule before the capture policy)
+        self.capture_policy = True
+        self.mask_reads = "one_behind"  # or "recheck" (the rule before: see _TRUST_RECHECK)
+        self.recording = True  # decisions and timings go to the database (`autoragged.warmup` turns it off)
         self._probe, self._probe_epoch = None, -1
         self._params, self._params_epoch = [], -1
         self.db_path = options.db_path
@@ -144,24 +160,42 @@ class Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.pending: deque = deque()
         self.count = 0
-        # (B, L) -> [no-lengths verdicts in a row, the arm, batches since trusted, the last predictions,
-        #           the last judged batch's tokens (the mask graph's linears pick their tiles for them),
-        #           the probe: {"read": ms of timed read-path runs, "unread": ms of timed unread runs,
-        #           "left": unread runs still to time, "lost": the unread arm measured slower},
+        # `_shape_key(B, L)` -> [no-lengths verdicts in a row, the arm, unread batches since the last verdict,
+        #           the last predictions, the last judged batch's tokens (the mask graph's linears pick their
+        #           tiles for them), the probe: {"read": ms of timed read-path runs, "unread": ms of timed
+        #           unread runs, "left": unread runs still to time, "lost": the unread arm measured slower},
         #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
-        #           to it, the GraphCache generation it was seen in, the record's reason, the device key)]
+        #           to it, the GraphCache generation it was seen in, the record's reason, the device key),
+        #           the record of the first unread batch since the last verdict (`_one_behind`) or None]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
+        # host ms from a read's end to the arm's work queued (the decision; a replay's launch), the recent ones
+        self.prelaunch: deque[float] = deque(maxlen=16)
+        self.pipelined = False  # the last read (or one-behind verdict) found the GPU still busy: the host is ahead
         self.pads_ring: PadsRing | None = None
+
+    def preload(self) -> None:
+        """Make the planner of the module's device now: the device key, the database opened and the calibrated
+        cost model decoded, which the first batch would pay otherwise (`wrap` calls this). A failure here is
+        left for that first batch to raise."""
+        if self.policy != "auto" or self.static_reason:
+            return
+        try:
+            device = self._param().device
+            if device not in self.planners:
+                self.planners[device] = self._make_planner(device)
+        except Exception as e:  # noqa: BLE001 - the lazy path makes the planner again, and says what is wrong
+            log.debug("autoragged %s: no planner made at wrap: %s", self.sig_key, e)
 
     # -- pickling / deepcopy: options travel, caches and timers do not ------------------------
     def __getstate__(self):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: the body holds the modules."""
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
-                     pads_ring=None, sync_samples=deque(maxlen=16), body=None, _bound_epoch=-1, _probe=None,
-                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
+                     pads_ring=None, sync_samples=deque(maxlen=16), prelaunch=deque(maxlen=16), pipelined=False,
+                     body=None, _bound_epoch=-1, _probe=None, _probe_epoch=-1, _params=[],
+                     _params_epoch=-1)  # fmt: skip
         return state
 
     def _restructured(self, module) -> bool:
@@ -176,6 +210,7 @@ class Runtime:
         self._harvest(wait=True)  # sampled batches still in flight get their timings recorded
         fresh = Runtime(module, self.adapter, self.options)
         fresh.graph_min_seen, fresh.ring = self.graph_min_seen, self.ring
+        fresh.capture_policy, fresh.mask_reads, fresh.recording = self.capture_policy, self.mask_reads, self.recording
         module._autoragged = fresh
         if self.body is not None:
             log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
@@ -195,7 +230,7 @@ class Runtime:
         kpm = call.kpm
         # a mask alone, of a trusted shape whose graph is kept: `_replay_unread`
         if call.lengths is None and not call.causal and kpm is not None and call.reason is None:
-            shape = self.mask_shapes.get((call.B, call.L))
+            shape = self.mask_shapes.get(self._shape_key(call.B, call.L))
             if shape is not None and shape[6] is not None:
                 out = self._replay_unread(module, call, shape)
                 if out is not None:
@@ -218,17 +253,19 @@ class Runtime:
                 call.lengths is None and kpm is not None and not call.causal and not reason and self.policy == "auto"
             )
             if mask_only:
-                shape = self.mask_shapes.get((B, L))
-                if shape is not None and shape[0] >= _TRUST and kpm.shape == (B, L):
+                shape = self.mask_shapes.get(self._shape_key(B, L))
+                if shape is not None and shape[0] >= self.trust and kpm.shape == (B, L):
                     shape[2] += 1
-                    if shape[2] % _RECHECK:
-                        return self._run_unread(module, call, shape)
+                    if shape[2] < _RECHECK:
+                        self._one_behind(call.device, shape)
+                        if shape[0] >= self.trust:
+                            return self._run_unread(module, call, shape)
                 call.prefetch()  # queue what every ragged arm needs before the read blocks the host
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, call.lengths, B, L)
             if mask_only:
-                ms = (time.perf_counter() - t0) * 1e3
-                self.sync_samples.append(ms)
+                t_read = time.perf_counter()
+                self._read_timed((t_read - t0) * 1e3, kpm.is_cuda)
             if not_prefix is not None and not reason and not call.any_padding:
                 reason = f"key padding mask row {not_prefix} is not right-padded{call.padding_note}"
         stats = BatchStats.from_lengths(lens, padded_len=L)
@@ -264,16 +301,26 @@ class Runtime:
             start, end = _timers(call.device)
             start.record()
             host0 = time.perf_counter()
-        out, note = self._execute(module, call, arm, lens, stats, not_prefix)
+        policy_plan = plan if self.capture_policy else None
+        if mask_only:
+            t_exec = time.perf_counter()
+        out, note = self._execute(module, call, arm, lens, stats, not_prefix, policy_plan)
         if sampled:
             host_ms = (time.perf_counter() - host0) * 1e3
+        if mask_only:  # the drained GPU idled until the replay was queued (an eager arm: its first kernel)
+            t_queued = time.perf_counter() if arm.graph and note is None else t_exec
+            self.prelaunch.append((t_queued - t_read) * 1e3)
+        graphs = self.graphs
+        if graphs is not None and graphs.deferred is not None:  # the batch's eager run is queued: capture now
+            extra = graphs.capture_deferred()
+            note = note and note + extra
         # the record is made once the arm's work is queued: a launch-bound batch's latency is the host time
         # before its last launch, and bookkeeping after it overlaps the GPU's work
         record = Record(stats, arm, plan.predicted_ms, why, device_key(call.device), self.sig_key)
-        if sampled and self.graphs is not None and self.graphs.captures != captures:
+        if sampled and graphs is not None and graphs.captures != captures:
             sampled = False  # this call captured a graph: its time is not the arm's latency
         if note:  # a graph arm ran eagerly this time: record what really ran, and why
-            record.arm = Arm(arm.kind[: -len("_graph")], arm.config) if arm.graph else arm
+            record.arm = self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
         if sampled:
@@ -298,6 +345,64 @@ class Runtime:
         not the read's doing; an average of those had every shape skip its reads."""
         return min(self.sync_samples) if self.sync_samples else 0.0
 
+    def _read_timed(self, ms: float, cuda: bool) -> None:
+        """A mask read took `ms` of host time: a sample of the read's cost, and whether it waited for queued
+        work (the host runs ahead of the GPU). A CPU runs ops as they are called: a slow read there is the
+        host's noise, nothing queued."""
+        self.sync_samples.append(ms)
+        self.pipelined = cuda and ms > self.sync_ms + _WAITED_MS
+
+    @property
+    def read_cost_ms(self) -> float:
+        """What reading a mask's lengths costs a batch: the read itself (`sync_ms`) and, while the host runs
+        ahead of the GPU (the reads wait for queued work), the host time from the read to the arm's work
+        queued, the median of the recent ones: the drained GPU idles meanwhile. With every call synchronised
+        (a latency benchmark) the GPU idles then whichever arm runs, and only the read itself counts."""
+        cost = self.sync_ms
+        if self.pipelined and self.prelaunch:
+            cost += sorted(self.prelaunch)[len(self.prelaunch) // 2]
+        return cost
+
+    @property
+    def trust(self) -> int:
+        return _TRUST_RECHECK if self.mask_reads == "recheck" else _TRUST
+
+    def _shape_key(self, B: int, L: int) -> tuple[int, int]:
+        """A mask-only shape: B and the padded bucket's length (the unread graphs' bucket), or (B, L) under
+        mask_reads="recheck". Over 100 batches of each CoRa row but Wiki128 (whose lengths all reach 128), the
+        batch's L took 10-56 values, the most common in 6-21% of the batches, so three verdicts in a row for one
+        (B, L) were rare and nearly every mask was read; the bucket's length took 1-5 values."""
+        return (B, L) if self.mask_reads == "recheck" else (B, padded_bucket(B, L)[1])
+
+    def _fallback(self, arm: Arm, plan: Plan | None, call) -> Arm:
+        """The arm that runs where the graph arm `arm` cannot (not captured, or it cannot take the call): the
+        plan's best eager arm where the planner chose, else `arm` run eagerly."""
+        fallback = Arm(arm.kind[: -len("_graph")], arm.config)
+        if plan is not None and plan.eager is not None:
+            fallback = plan.eager
+        ragged_in = call.ragged_in
+        if ragged_in is not None and fallback.ragged and fallback.config.align != ragged_in.align:
+            fallback = Arm(fallback.kind, fallback.config.replace(align=ragged_in.align))
+        return fallback
+
+    def _one_behind(self, device: torch.device, shape: list) -> None:
+        """Judge a trusted shape again, without a sync, from the stats of its first unread batch since the last
+        verdict, once they are on the host and _REJUDGE unread batches have run since (so they have landed).
+        Not before a read was timed: the verdict weighs the read's cost."""
+        record = shape[7]
+        if record is None or shape[2] < _REJUDGE or not self.sync_samples or self.mask_reads == "recheck":
+            return
+        stats = record.peek()
+        if stats is None:
+            return
+        ring = self.pads_ring
+        if ring is not None and ring.device == device:  # is the previous unread batch still queued on the GPU?
+            from .graphs import event_pending
+
+            self.pipelined = event_pending(ring.events[ring.i])
+        plan = self._plan(device, stats, None)
+        self._judge_entry(shape, plan.predicted_ms, self._mask_graph_arm(device, stats), stats.total)
+
     def _mask_graph_arm(self, device: torch.device, stats: BatchStats) -> Arm | None:
         """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
         rows the graph counts on the device), or None where graphs do not run. Fed the mask or the lengths
@@ -308,18 +413,24 @@ class Runtime:
 
     def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
         """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
-        mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?"""
+        mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?
+        Returns the shape's entry, updated."""
+        key = self._shape_key(B, L)
+        if len(self.mask_shapes) >= _MAX_SHAPES and key not in self.mask_shapes:
+            self.mask_shapes.clear()
+        entry = self.mask_shapes.get(key) or self.mask_shapes.setdefault(key, _shape_entry())
+        return self._judge_entry(entry, predicted, mask_arm, tokens)
+
+    def _judge_entry(self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int) -> list:
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
         mask_label = mask_arm.label if mask_arm is not None else None
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
         needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
         if mask_label in predicted:
             unread[mask_label] = predicted[mask_label]
-        if len(self.mask_shapes) >= _MAX_SHAPES and (B, L) not in self.mask_shapes:
-            self.mask_shapes.clear()
-        entry = self.mask_shapes.get((B, L)) or self.mask_shapes.setdefault((B, L), _shape_entry())
         best = min(unread, key=unread.get) if unread else None
-        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.sync_ms)
+        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.read_cost_ms)
+        entry[2], entry[7] = 0, None  # a verdict: the unread batches since, and the one to judge from, start anew
         if wins and not entry[5]["lost"]:
             entry[0] += 1
             arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
@@ -348,7 +459,14 @@ class Runtime:
             start, end = _timers(call.device)
             start.record()
             host0 = time.perf_counter()
-        out, pads, width, note, graph = self._execute_unread(module, call, arm, tokens)
+        costs = None
+        if self.capture_policy and arm.graph and "padded" in predicted and arm.label in predicted:
+            costs = (predicted["padded"], predicted[arm.label])  # without the graph the padded arm runs the mask
+        out, pads, width, note, graph = self._execute_unread(module, call, arm, tokens, costs)
+        graphs = self.graphs
+        if graphs is not None and graphs.deferred is not None:  # the batch's eager run is queued: capture now
+            extra = graphs.capture_deferred()
+            note = note and note + extra
         if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
             end.record()
             probe["left"] -= 1
@@ -361,6 +479,8 @@ class Runtime:
             self.pads_ring = PadsRing(pads.device)
         if graph is not None and not timed:
             shape[6] = (weakref.ref(graph), self.graphs.generation, why, record.device)
+        if shape[7] is None:
+            shape[7] = record  # the batch whose stats judge the shape again (`_one_behind`)
         return self._unread_done(record, pads, width, B, L, out)
 
     def _replay_unread(self, module, call, shape: list):
@@ -371,8 +491,10 @@ class Runtime:
         cache."""
         ref, generation, why, device = shape[6]
         graphs = self.graphs
+        since = shape[2] + 1
         if (
-            shape[0] < _TRUST or (shape[2] + 1) % _RECHECK == 0 or (shape[5]["left"] > 0 and self.sample_every > 0)
+            shape[0] < self.trust or since >= _RECHECK or (shape[5]["left"] > 0 and self.sample_every > 0)
+            or (since >= _REJUDGE and shape[7] is not None and self.mask_reads != "recheck")  # `_one_behind` is due
             or graphs is None or graphs.generation != generation or not self.graphs_enabled or self.policy != "auto"
             or call.passthrough is not None or call.ragged_in is not None or call.eager_only is not None
         ):  # fmt: skip
@@ -389,8 +511,11 @@ class Runtime:
         self.count += 1
         out = graph.run_mask(call.x, call.kpm)
         graphs.graphs.move_to_end(graph.key)  # most recently used
-        return self._unread_done(Record(None, shape[1], shape[3], why, device, self.sig_key), graph.pads,
-                                 graph.width, call.B, call.L, call.finish(out))  # fmt: skip
+        graphs.touch(graph.key)  # its recurrence, for a recapture after an eviction
+        record = Record(None, shape[1], shape[3], why, device, self.sig_key)
+        if shape[7] is None:
+            shape[7] = record
+        return self._unread_done(record, graph.pads, graph.width, call.B, call.L, call.finish(out))
 
     def _unread_done(self, record: Record, pads: torch.Tensor, width: int, B: int, L: int, out):
         """After an unread batch's work is queued: its record (stats deferred), harvest, logs; returns out."""
@@ -404,10 +529,11 @@ class Runtime:
             self._log_summary()
         return out
 
-    def _execute_unread(self, module, call, arm: Arm, tokens: int = 0):
+    def _execute_unread(self, module, call, arm: Arm, tokens: int = 0, costs: tuple[float, float] | None = None):
         """(output, per-row pad counts, the columns they count over, None, the graph or None) of an arm run
         on the mask itself (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens`
-        rows when > 0); the note says why it ran eagerly padded instead."""
+        rows when > 0); the note says why it ran eagerly padded instead. costs: (padded ms, the graph's ms)
+        for the capture policy (`GraphCache._get`)."""
         note = None
         device = call.device
         if not arm.graph:
@@ -422,10 +548,10 @@ class Runtime:
             B, L, dtype = call.B, call.L, self._param().dtype
             if arm.ragged:
                 graph, note = self.graphs.ragged_mask(
-                    self, module, arm.config, False, B, L, dtype, device, tokens or None
+                    self, module, arm.config, False, B, L, dtype, device, tokens or None, costs
                 )
             else:
-                graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask")
+                graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask", costs=costs)
             if graph is not None:
                 out = graph.run_mask(call.x, call.kpm)
                 out = call.finish(out) if arm.ragged else call.finish_padded(out)
@@ -443,7 +569,7 @@ class Runtime:
         unread, read = min(probe["unread"]), min(probe["read"])
         if unread > read + self.sync_ms:
             probe["lost"] = True
-            entry = self.mask_shapes.get((B, L))
+            entry = self.mask_shapes.get(self._shape_key(B, L))
             if entry is not None and entry[5] is probe:
                 entry[0] = 0
             log.info(
@@ -472,7 +598,7 @@ class Runtime:
     def _record(self, record: Record, measurement: Measurement | None = None) -> None:
         if measurement is None:
             self.ring.append(record)
-        if self.db_path is not None:
+        if self.db_path is not None and self.recording:
             RECORDER.add(self.db_path, record.device, record, measurement)
 
     def _parameters(self, module) -> list[nn.Parameter]:
@@ -578,13 +704,19 @@ class Runtime:
 
         return Planner(self.sig, model, candidates)
 
-    def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix):
-        """Run `arm`; returns (output, note) where note says why a graph arm ran eagerly (else None)."""
+    def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, plan: Plan | None = None):
+        """Run `arm`; returns (output, note) where note says why a graph arm ran eagerly (else None): then
+        `_fallback(arm, plan, call)` ran. With the `plan` the arm came from, a graph is captured only where the
+        capture pays, after the batch's eager run (`GraphCache._get`)."""
         note = None
         if arm.graph:
-            out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix)
+            costs = None
+            if plan is not None and plan.eager is not None and arm.label in plan.predicted_ms:
+                costs = (plan.eager_ms, plan.predicted_ms[arm.label])
+            out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs)
             if note is None:
                 return out, None
+            arm = self._fallback(arm, plan, call)
         if not arm.ragged:
             return call.padded(module, lens, stats), note
         body, ragged_in, config = self.body, call.ragged_in, arm.config
@@ -608,7 +740,7 @@ class Runtime:
             hidden = [unpack(h) for h in hidden]
         return call.finish(unpack(values), hidden), note
 
-    def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix):
+    def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None):
         """(output, None) from a replayed graph, or (None, why it must run eagerly)."""
         device = call.device
         if self._graph_cache(device) is None:
@@ -625,7 +757,9 @@ class Runtime:
                 return None, f"the input's layout (align {ragged_in.align}) is not the graph's (align {align})"
             io = "values" if ragged_in is not None else "padded"
             dtype = self._param().dtype
-            graph, note = self.graphs.ragged(self, module, arm.config, call.causal, stats, rows, dtype, device, io)
+            graph, note = self.graphs.ragged(
+                self, module, arm.config, call.causal, stats, rows, dtype, device, io, costs
+            )
             if graph is None:
                 return None, note
             # no inference_mode here: the static buffers are plain tensors (GraphCache._get), and entering
@@ -637,7 +771,7 @@ class Runtime:
             return None, "the padded graph takes no attn_mask"
         seq_axis = 1 if self.batch_first else 0
         padded = _to_padded(ragged_in, 0.0, call.L, seq_axis) if ragged_in is not None else call.x
-        graph, note = self.graphs.padded(self, module, stats.batch, call.L, padded.dtype, device)
+        graph, note = self.graphs.padded(self, module, stats.batch, call.L, padded.dtype, device, costs=costs)
         if graph is None:
             return None, note
         out = graph.run(padded, lens)

@@ -41,17 +41,37 @@ batches must follow one another on one stream (a replay's args fetch is ordered 
 only there); calling one wrapped module from several streams at once is not supported. The tensors a ragged
 replay reads and writes through pointers are used like any kernel's arguments on the current stream.
 
-Graphs of one module share one memory pool; at most `cap` are kept (least recently used out). A bucket
-is captured the `min_seen`-th time it is asked for (one-off shapes stay eager). A failed capture is
-remembered with its reason and the batch runs eagerly. Parameters are read in place, so in-place
-updates are seen by the next replay; parameters replaced by new storage invalidate every graph.
+Graphs of one module share one memory pool. What is kept: `cap` graphs when a count is given, else as many
+as fit a memory budget (`GRAPH_MEMORY_FRACTION` of the device memory obtainable at the first capture; each
+graph's bytes are the allocator's growth across its capture); least recently used out, evictions counted.
+A failed capture is remembered with its reason and the batch runs eagerly. Parameters are read in place, so
+in-place updates are seen by the next replay; parameters replaced by new storage invalidate every graph.
+
+When to capture (`GraphCache._get`): never on a bucket's first sight (`min_seen`, 2). With the runtime's
+predictions at hand (`costs`: the ms of the best eager arm and of the graph), only when the replays the
+bucket's recurrence promises repay the capture: expected replays x (eager ms - graph ms) >= the capture's
+estimated ms. Expected replays: the bucket's share of the module's recent graph lookups (counts decaying
+with a half-life of `_HALF_LIFE` lookups) times a horizon of as many lookups as the module has made, at least
+`_HORIZON_MIN` and at most the decay's window; with the horizon equal to the past this is the ski-rental rule
+(capture once the saving forgone has reached the capture's cost), and the floor assumes a stream lasts a few
+hundred batches more. Capture cost: the least of the recent captures of the same kind (ragged or padded, its
+io, its linears, a cuBLAS graph's row choice) as a multiple of the eager arm's ms, times this batch's; the
+first capture of a kind is left out and the least taken, because a capture that also compiled Triton kernels
+(the first, mostly) costs far more than the next, and an estimate that high would decline every later
+capture of the kind (none would come to lower it). Such a capture
+happens after the batch's own eager run is queued (`capture_deferred`): no device drain before it (see
+`_warm_and_capture`), so the GPU runs the batch while the host records the graph.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections import OrderedDict
+import math
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,7 +79,7 @@ from .._buckets import padded_bucket, ragged_bucket
 from .._ragged import _zero_pads
 from ..kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
-__all__ = ["GraphCache", "record_event", "event_done"]
+__all__ = ["GraphCache", "GraphStats", "GRAPH_MEMORY_FRACTION", "record_event", "event_done", "event_pending"]
 
 log = logging.getLogger("autoragged")
 
@@ -169,6 +189,11 @@ def event_done(event: torch.cuda.Event) -> None:
     """Return once the work before `event` has completed: a query, and a wait only if it has not."""
     if not (_query(event) if _query is not None else event.query()):
         event.synchronize()
+
+
+def event_pending(event: torch.cuda.Event) -> bool:
+    """True while the work before `event` has not completed (a query: never waits)."""
+    return not (_query(event) if _query is not None else event.query())
 
 
 # A GraphCache checks the storage of its module's parameters on every replay (the list comes from the
@@ -410,13 +435,36 @@ def replay_ms(graphs: list, rounds: int = 2, reps: int = 3) -> list[float]:
     return [min(r[i][0].elapsed_time(r[i][1]) for r in events) / reps for i in range(len(graphs))]
 
 
+# `torch.cuda.graph` synchronises the device, empties the caching allocator (whose blocks the next eager
+# batches then allocate again) and the pinned host cache before every capture. A capture needs none of it:
+# it records work, it runs none, and what the graph reads is ordered before its replays by the stream. So
+# graphs are captured with `capture_begin` / `capture_end` on a capture stream of our own, while the GPU may
+# still be running earlier batches; AUTORAGGED_CAPTURE_DRAIN=1 brings back `torch.cuda.graph` (for a
+# comparison, or should a driver or PyTorch version need the drain). The allocator's cache is emptied first
+# only when the device is short of free memory (the capture's pool could not grow, and during a capture the
+# allocator cannot release cached blocks to make room).
+_DRAIN = os.environ.get("AUTORAGGED_CAPTURE_DRAIN", "") == "1"
+_LOW_MEMORY = 1 << 30  # bytes
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device) -> torch.cuda.Stream:
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def _warm_and_capture(holder, run, device, pool) -> None:
     """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture.
 
     The garbage collector is off meanwhile: a collection during capture that frees an unreachable CUDA
     graph (anyone's, held in a reference cycle) destroys it mid-capture, which CUDA forbids, and the
     capture fails (seen on the H100: "operation not permitted when stream is capturing", then cuBLAS
-    failing). PyTorch no longer collects before a capture (torch.compiler.config.force_cudagraph_gc)."""
+    failing). PyTorch no longer collects before a capture (torch.compiler.config.force_cudagraph_gc).
+    The capture does not drain the device first (see _DRAIN)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -425,10 +473,20 @@ def _warm_and_capture(holder, run, device, pool) -> None:
         with torch.cuda.stream(stream), torch.inference_mode():
             run()
         torch.cuda.current_stream(device).wait_stream(stream)
-        holder.graph = torch.cuda.CUDAGraph()
+        holder.graph = graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the user's, say) do not invalidate this capture
-        with torch.inference_mode(), torch.cuda.graph(holder.graph, pool=pool, capture_error_mode="thread_local"):
-            holder.output = run()
+        if _DRAIN:
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                holder.output = run()
+        else:
+            if torch.cuda.mem_get_info(device)[0] < _LOW_MEMORY:
+                torch.cuda.empty_cache()
+            with torch.inference_mode(), torch.cuda.stream(_capture_stream(device)):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    holder.output = run()
+                finally:
+                    graph.capture_end()
     finally:
         if collecting:
             gc.enable()
@@ -438,16 +496,93 @@ def _warm_and_capture(holder, run, device, pool) -> None:
     holder.keepalive = run
 
 
-class GraphCache:
-    """The captured graphs of one wrapped module (see the module docstring)."""
+# -- what the cache keeps, and when it captures (see the module docstring) ------------------------------------
+# The constants below are not measured yet: the stream benchmark (benchmarks/stream_table.py) is what tells.
+GRAPH_MEMORY_FRACTION = 0.1  # of the device memory obtainable at a module's first capture, for its graphs
+_MIN_KEEP = 2  # graphs kept whatever their bytes
+_HALF_LIFE = 1024  # graph lookups: a bucket's recurrence counts decay with this half-life (drift is followed)
+_DECAY = 2.0 ** (-1.0 / _HALF_LIFE)
+_HORIZON_MIN = 256  # lookups a stream is assumed to last at least, from any point on
+_HORIZON_MAX = 1.0 / (1.0 - _DECAY)  # the window the decayed counts cover (~1,478 lookups)
+# capture ms / eager ms before a capture of the kind was timed: a warm-up run and a capture, each about an
+# eager run of host time, and the allocations; a cuBLAS graph whose row count is still to choose captures
+# twice and replays 14 times (replay_ms)
+_CAPTURE_PRIOR = {"single": 4.0, "rows": 12.0}
+_COST_SAMPLES = 8
+_MAX_SEEN = 4096  # recurrence entries kept (pruned of the faded ones beyond)
+FIRST_SIGHT = "graph bucket seen for the first time (captured when it recurs)"
+NOT_WORTH = "graph not worth capturing yet (the bucket's recurrence does not repay a capture)"
+CAPTURE_NEXT = "graph captured after this batch ran eagerly"
+BOUND = "the graph memory bound is reached (no more captures)"
 
-    def __init__(self, cap: int = 16, min_seen: int = 2):
-        self.cap, self.min_seen = cap, min_seen
+
+@dataclass
+class GraphStats:
+    """The CUDA graphs of one wrapped module (`autoragged.graph_stats`).
+
+    graphs: kept now; kept_bytes: their bytes (each graph's allocator growth across its capture, an
+    estimate); budget_bytes: the memory budget they must fit (None: a count `cap` was given, or nothing was
+    captured yet); cap: the count cap given to `wrap(graph_cap=)`, or None; captures: capture attempts;
+    capture_ms: host ms they took in all; failed: buckets whose capture failed; evictions: graphs dropped to
+    fit the cap or budget; declined: batches that ran eagerly because a capture would not have paid;
+    capture_cost: per kind, the capture's cost as a multiple of the eager arm's ms the policy uses now."""
+
+    graphs: int = 0
+    kept_bytes: int = 0
+    budget_bytes: int | None = None
+    cap: int | None = None
+    captures: int = 0
+    capture_ms: float = 0.0
+    failed: int = 0
+    evictions: int = 0
+    declined: int = 0
+    capture_cost: dict[str, float] = field(default_factory=dict)
+
+
+def _memory(device) -> tuple[int, int]:
+    """(allocated, reserved) bytes of PyTorch's caching allocator on `device`: host counters, no sync."""
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def _budget_bytes(device, fraction: float) -> int:
+    """`fraction` of what graphs could obtain: free device memory and what the allocator caches unused."""
+    free = torch.cuda.mem_get_info(device)[0]
+    allocated, reserved = _memory(device)
+    return int(fraction * (free + reserved - allocated))
+
+
+def _new_pool():
+    return torch.cuda.graph_pool_handle()
+
+
+_clock = time.perf_counter
+
+
+class GraphCache:
+    """The captured graphs of one wrapped module (see the module docstring).
+
+    cap: keep at most this many graphs, or None: as many as fit `memory_fraction` of the device memory
+    obtainable at the first capture; min_seen: a bucket is captured at its min_seen-th sight at the
+    earliest (1: at once, whatever it costs: how the benchmarks and the tuner measure graph arms)."""
+
+    def __init__(self, cap: int | None = None, min_seen: int = 2, memory_fraction: float = GRAPH_MEMORY_FRACTION):
+        self.cap, self.min_seen, self.memory_fraction = cap, min_seen, memory_fraction
+        self.budget_bytes: int | None = None  # set at the first capture when cap is None
+        self.limit_bytes: int | None = None  # a bound on kept bytes set from outside (`autoragged.warmup`)
         self.graphs: OrderedDict[tuple, object] = OrderedDict()
         self.failed: dict[tuple, str] = {}
-        self.seen: dict[tuple, int] = {}
+        # bucket -> [its decayed count of lookups, the lookup it was last counted at, its sightings]
+        self.seen: dict[tuple, list] = {}
+        self.lookups = 0
         self.pool = None
-        self.captures = 0  # graphs captured so far (a call that captured is not a timing sample)
+        self.captures = 0  # capture attempts so far (a call that captured is not a timing sample)
+        self.capture_ms = 0.0
+        self.evictions = 0
+        self.declined = 0
+        self.kept_bytes = 0
+        self.costs: dict[str, deque[float]] = {}  # kind -> capture ms / eager ms of its recent captures
+        self.kinds: set[str] = set()  # kinds captured once (that capture, compiles and all, is not a sample)
+        self.deferred: tuple | None = None  # a capture to make once the batch's eager run is queued
         self._ptrs: tuple[int, ...] | None = None
         # bumped whenever a graph leaves the cache (evicted, cleared, dropped for moved parameters): a caller
         # that kept a weak reference to a graph with the generation it saw may replay it without a lookup
@@ -455,10 +590,15 @@ class GraphCache:
         self.generation = 0
 
     def clear(self) -> None:
-        self.graphs.clear()
-        self.seen.clear()
+        """Drop every graph (the buckets' recurrence counts stay: they describe the stream, not the graphs)."""
+        self._drop_all()
         self._ptrs = None
-        self.pool = None  # a pool whose graphs are all gone must not be captured into again
+
+    def _drop_all(self) -> None:
+        self.graphs.clear()
+        self.kept_bytes = 0
+        self.deferred = None
+        self.pool = None  # PyTorch asserts when capturing into a pool whose graphs were all freed
         self.generation += 1
 
     def _check_params(self, params: list[torch.Tensor]) -> None:
@@ -466,25 +606,109 @@ class GraphCache:
         ptrs = tuple(map(_data_ptr, params))
         if self._ptrs is not None and ptrs != self._ptrs and self.graphs:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
-            self.graphs.clear()
-            self.pool = None  # PyTorch asserts when capturing into a pool whose graphs were all freed
-            self.generation += 1
+            self._drop_all()
         self._ptrs = ptrs
 
-    def _get(self, key, make):
-        """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time."""
+    # -- recurrence and the capture's price ----------------------------------------------------------------
+    def touch(self, key) -> list:
+        """Count one lookup of bucket `key` (every lookup, replays included); returns its entry in `seen`."""
+        t = self.lookups = self.lookups + 1
+        entry = self.seen.get(key)
+        if entry is None:
+            if len(self.seen) >= _MAX_SEEN:
+                self._prune(t)
+            entry = self.seen[key] = [1.0, t, 1]
+        else:
+            entry[0] = entry[0] * _DECAY ** (t - entry[1]) + 1.0
+            entry[1] = t
+            entry[2] += 1
+        return entry
+
+    def _prune(self, t: int) -> None:
+        """Forget the buckets whose counts faded below one lookup (then the older half, if that is not enough)."""
+        kept = {k: e for k, e in self.seen.items() if k in self.graphs or e[0] * _DECAY ** (t - e[1]) >= 1.0}
+        if len(kept) >= _MAX_SEEN // 2:
+            kept = dict(sorted(kept.items(), key=lambda ke: ke[1][1])[-(_MAX_SEEN // 2) :])
+        self.seen = kept
+
+    def expected_replays(self, entry: list) -> float:
+        """How often the bucket of `entry` (just counted) should come again: its share of the lookups before
+        this one, times the horizon (see the module docstring)."""
+        t = self.lookups
+        total = (1.0 - _DECAY**t) / (1.0 - _DECAY)  # every lookup so far, decayed as the entries are
+        share = (entry[0] - 1.0) / max(total - 1.0, 1.0)
+        return share * min(max(t, _HORIZON_MIN), _HORIZON_MAX)
+
+    def capture_cost_ms(self, kind: str, eager_ms: float) -> float:
+        """The estimated host ms of capturing a graph of `kind` for a batch whose eager arm takes `eager_ms`."""
+        ratios = self.costs.get(kind)
+        ratio = min(ratios) if ratios else _CAPTURE_PRIOR["rows" if kind.endswith("+rows") else "single"]
+        return ratio * eager_ms
+
+    def worth(self, entry: list, kind: str, eager_ms: float, graph_ms: float) -> bool:
+        """Whether capturing the bucket of `entry` pays: expected replays x ms saved >= the capture's ms."""
+        saving = eager_ms - graph_ms
+        if not saving > 0:
+            return False
+        replays = self.expected_replays(entry)
+        cost = self.capture_cost_ms(kind, eager_ms)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("autoragged: graph bucket of %s: %.1f replays x %.3f ms saved vs %.1f ms to capture",
+                      kind, replays, saving, cost)  # fmt: skip
+        return replays * saving >= cost
+
+    # -- lookups and captures --------------------------------------------------------------------------------
+    def _get(self, key, make, device=None, kind="single", costs: tuple[float, float] | None = None):
+        """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time.
+
+        costs: (ms of the best eager arm, ms of this graph) as the runtime predicts them; given, the capture
+        must pay (`worth`) and happens after the batch ran eagerly (`deferred`, then `capture_deferred`);
+        None (the tuner, the benchmarks' forced arms): captured now, at the min_seen-th sight. kind: the
+        capture's cost class (a string, or a callable that makes it)."""
+        entry = self.touch(key)
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
             return graph, None
         if key in self.failed:
             return None, f"graph capture failed earlier: {self.failed[key]}"
-        seen = self.seen[key] = self.seen.get(key, 0) + 1
-        if seen < self.min_seen:
-            return None, "graph bucket seen for the first time (captured when it recurs)"
+        if entry[2] < self.min_seen:
+            return None, FIRST_SIGHT
+        if self.limit_bytes is not None and self.kept_bytes >= self.limit_bytes:
+            return None, BOUND
+        kind = kind() if callable(kind) else kind
+        if costs is not None:
+            if self.min_seen > 1 and not self.worth(entry, kind, *costs):
+                self.declined += 1
+                return None, NOT_WORTH
+            self.deferred = (key, make, device, kind, costs[0])
+            return None, CAPTURE_NEXT
+        graph, note = self._capture(key, make, device, kind, None)
+        return graph, (None if graph is not None else note)
+
+    def capture_deferred(self) -> str:
+        """Capture what `_get` deferred (the batch's eager run is queued by now); returns what the batch's
+        decision record should add: evictions, or the failure."""
+        key, make, device, kind, eager_ms = self.deferred
+        self.deferred = None
+        if key in self.graphs or key in self.failed:
+            return ""
+        graph, note = self._capture(key, make, device, kind, eager_ms)
+        if graph is None:
+            return f"; {note}"
+        if note:
+            return f"; {note} evicted ({'graph cap' if self.cap is not None else 'memory budget'})"
+        return ""
+
+    def _capture(self, key, make, device, kind: str, eager_ms: float | None):
+        """(graph, "n graph(s)" evicted to keep it, or "") or (None, why the capture failed)."""
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = _new_pool()
+        if self.cap is None and self.budget_bytes is None and device is not None:
+            self.budget_bytes = _budget_bytes(device, self.memory_fraction)
         self.captures += 1
+        before = _memory(device) if device is not None else (0, 0)
+        t0 = _clock()
         try:
             # static buffers as plain tensors whatever mode the caller is in, so that replays may copy into
             # them under no_grad, inference_mode or neither (graph arms never run with autograd on)
@@ -496,17 +720,54 @@ class GraphCache:
             self.failed[key] = reason
             log.warning("autoragged: CUDA graph capture failed for bucket %s, running eagerly: %s", key, reason)
             return None, f"graph capture failed: {reason}"
-        graph.key = key
+        ms = (_clock() - t0) * 1e3
+        after = _memory(device) if device is not None else (0, 0)
+        graph.key, graph.capture_ms = key, ms
+        graph.nbytes = max(after[0] - before[0], after[1] - before[1], 0)
+        self.capture_ms += ms
+        if kind not in self.kinds:
+            self.kinds.add(kind)
+        elif eager_ms is not None and eager_ms > 0 and math.isfinite(eager_ms):
+            self.costs.setdefault(kind, deque(maxlen=_COST_SAMPLES)).append(ms / eager_ms)
         self.graphs[key] = graph
-        if len(self.graphs) > self.cap:
-            self.graphs.popitem(last=False)
-            self.generation += 1
-        return graph, None
+        self.kept_bytes += graph.nbytes
+        evicted = self._evict()
+        log.debug("autoragged: captured %s in %.1f ms (%d bytes); %d kept, %d bytes", kind, ms, graph.nbytes,
+                  len(self.graphs), self.kept_bytes)  # fmt: skip
+        return graph, (f"{evicted} graph{'s' if evicted > 1 else ''}" if evicted else "")
 
-    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded"):
+    def _over(self) -> bool:
+        if self.cap is not None:
+            return len(self.graphs) > self.cap
+        return len(self.graphs) > _MIN_KEEP and self.budget_bytes is not None and self.kept_bytes > self.budget_bytes
+
+    def _evict(self) -> int:
+        """Drop least recently used graphs until the rest fit the cap or the budget; returns how many."""
+        n = 0
+        while len(self.graphs) > 1 and self._over():
+            _, old = self.graphs.popitem(last=False)
+            self.kept_bytes -= getattr(old, "nbytes", 0)
+            n += 1
+        if n:
+            self.evictions += n
+            self.generation += 1
+        return n
+
+    def stats(self) -> GraphStats:
+        kinds = {k: min(v) for k, v in self.costs.items() if v}
+        return GraphStats(len(self.graphs), self.kept_bytes, self.budget_bytes, self.cap, self.captures,
+                          self.capture_ms, len(self.failed), self.evictions, self.declined, kinds)  # fmt: skip
+
+    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded", costs=None):
         self._check_params(runtime._parameters(module))
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
-        return self._get(key, lambda: self._ragged_rows(runtime, module, config, causal, key[1:], dtype, device))
+
+        def kind() -> str:
+            timed = config.backend == "cublas" and (key[1], *runtime.body.memo, dtype, device) not in _ROW_CHOICE
+            return f"ragged/{io}/{config.backend}" + ("+rows" if timed else "")
+
+        make = lambda: self._ragged_rows(runtime, module, config, causal, key[1:], dtype, device)  # noqa: E731
+        return self._get(key, make, device, kind, costs)
 
     def _ragged_rows(self, runtime, module, config, causal, key, dtype, device) -> _RaggedGraph:
         """The ragged graph of bucket `key` (rows, batch, max_len, ...); with cuBLAS linears, of the bucket's
@@ -535,7 +796,7 @@ class GraphCache:
         _ROW_CHOICE[memo] = best.rows
         return best
 
-    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None):
+    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None, costs=None):
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
         batch rows of the padded bucket's length. `config` must name Triton linears (see io="mask");
         `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture."""
@@ -544,11 +805,11 @@ class GraphCache:
         self._check_params(runtime._parameters(module))
         width = padded_bucket(batch, seq_len)[1]
         key = ("ragged", batch * width, batch, width, config, causal, "mask")
-        return self._get(
-            key, lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)
-        )
+        make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)  # noqa: E731
+        return self._get(key, make, device, "ragged/mask/triton", costs)
 
-    def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths"):
+    def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths", costs=None):
         self._check_params(runtime._parameters(module))
         key = ("padded", *padded_bucket(batch, seq_len), io)
-        return self._get(key, lambda: _PaddedGraph(runtime, module, key, dtype, device, self.pool))
+        return self._get(key, lambda: _PaddedGraph(runtime, module, key, dtype, device, self.pool), device,
+                         f"padded/{io}", costs)  # fmt: skip

@@ -62,6 +62,20 @@ class Record:
                     self._pending = None
         return self._stats
 
+    def peek(self) -> BatchStats | None:
+        """The stats if they are on the host already, else None: never waits, makes no CUDA call and takes no
+        lock (the hot path judges a shape from an earlier unread batch's stats, `Runtime._one_behind`). A
+        pinned slot's copy has landed when it holds no -1 (each count is written whole); a slot is only ever
+        replaced by a snapshot of itself, on the hot path's own thread (`PadsRing._release`)."""
+        pending = self._pending
+        if pending is None:
+            return self._stats
+        host, _, width, L = pending
+        pads = host.tolist()
+        if -1 in pads:
+            return None
+        return BatchStats.from_lengths(tuple(width - p for p in pads), padded_len=L)
+
     def decision(self) -> Decision:
         config = None if self.arm.config is None else self.arm.config.to_dict()
         return Decision(

@@ -1,0 +1,283 @@
+"""`autoragged.warmup()`: pay compilation, capture and the planner's first guesses before traffic arrives.
+
+A stream of new batches pays, on first sight of each shape, the Triton kernels' compilation (an empty Triton
+cache after a deploy compiles every specialisation again), the CUDA graphs' captures and the planner's first
+guesses. `warmup` runs synthetic batches of the shapes a workload will bring through every wrapped module in
+the model, exactly as traffic would run them (the same planner, mask-only judgements and capture policy), so
+that those costs are paid now; the recurrence it counts carries over to the traffic. Nothing it runs is
+recorded in the tuning database (the in-process planner keeps what it timed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
+
+__all__ = ["warmup", "WarmupSummary"]
+
+log = logging.getLogger("autoragged")
+
+INPUTS = ("mask", "lengths", "both")
+
+
+@dataclass
+class WarmupSummary:
+    """What `warmup` did. modules: wrapped modules warmed; skipped: modules it could not warm, with why;
+    batches: synthetic batches run (all modules); seconds: wall time; compile_s: time Triton spent compiling
+    (or loading from its cache) kernels, None where not measurable (Triton's interpreter, a Triton without
+    compile hooks); capture_s: host time of the CUDA-graph captures; captured: the graph buckets captured,
+    as "module: bucket" labels; graphs, graph_bytes: graphs kept now and their bytes (all modules);
+    evictions: graphs evicted meanwhile; declined: batches run eagerly because a capture would not pay;
+    bound_reached: the memory bound stopped captures."""
+
+    modules: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    batches: int = 0
+    seconds: float = 0.0
+    compile_s: float | None = None
+    capture_s: float = 0.0
+    captured: list[str] = field(default_factory=list)
+    graphs: int = 0
+    graph_bytes: int = 0
+    evictions: int = 0
+    declined: int = 0
+    bound_reached: bool = False
+
+
+def warmup(
+    model: nn.Module,
+    lengths_or_workload,
+    *,
+    batch_sizes: Sequence[int] | None = None,
+    batches: int = 32,
+    inputs: str = "mask",
+    max_memory: int | float | None = None,
+    progress: bool = True,
+    seed: int = 0,
+) -> WarmupSummary:
+    """Compile, capture and plan ahead of traffic for the shapes `lengths_or_workload` brings.
+
+    lengths_or_workload: a CoRa workload name ("CoLA", ..., `autoragged.workloads.CORA`) or a list of them;
+        a list of sequence lengths (a sample of the traffic's: batches are drawn from it); a list of batches
+        (lists of lengths), run as given; or "calibration": the batch shapes the tuning database's
+        calibration of this device measured (for each module's signature, else any).
+    batch_sizes: the batch sizes traffic brings (default 32, 64, 128); not used with explicit batches.
+    batches: synthetic batches per workload and batch size (the policy captures a bucket once its recurrence
+        promises the capture back, so a bucket must come round a few times).
+    inputs: "mask" (the key padding / attention mask, as PyTorch and HF code call a model), "lengths"
+        (`lengths=` host ints) or "both": what traffic will pass.
+    max_memory: bytes the captures may add (or a fraction of the device's free memory); None: only the
+        graph cache's own budget (`wrap(graph_cap=)`).
+    progress: a tqdm progress bar. seed: for the batches drawn.
+    Returns a `WarmupSummary`. Works anywhere: on a CPU there are no graphs to capture.
+    """
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+    if not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"batches must be an int >= 1, got {batches!r}")
+    modules = [(name, m) for name, m in model.named_modules() if "_autoragged" in m.__dict__]
+    if not modules:
+        raise ValueError(f"warmup found no wrapped module in {type(model).__name__}: call autoragged.wrap(model) first")
+    sizes = tuple(batch_sizes) if batch_sizes is not None else CORA_BATCH_SIZES
+    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
+    rng = np.random.default_rng(seed)
+    plan = [(name, m, _batches(m._autoragged, lengths_or_workload, sizes, batches, rng)) for name, m in modules]
+    modes = (True, False) if inputs == "both" else (inputs == "mask",)
+    total = sum(len(groups) for _, _, groups in plan) * len(modes)
+    summary = WarmupSummary()
+    t0 = time.perf_counter()
+    with _compile_clock() as compile_s, _progress(total, progress) as bar, torch.inference_mode():
+        for name, module, groups in plan:
+            label = name or type(module).__name__
+            why = _warm_module(label, module, groups, modes, max_memory, bar, summary)
+            if why is not None:
+                summary.skipped[label] = why
+                bar.update(len(groups) * len(modes))
+    summary.compile_s = compile_s[0]
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str | None:
+    """Run `groups` (lists of lengths) through `module`; None, or why it could not be warmed."""
+    runtime = module._autoragged.ready(module)
+    synthetic = getattr(runtime.body, "synthetic", None)
+    if synthetic is None:
+        return f"its adapter ({runtime.adapter.name}) makes no synthetic batches"
+    device = runtime._param().device
+    cache = runtime._graph_cache(device) if runtime.graphs_enabled else None
+    before = _cache_state(cache)
+    if cache is not None and max_memory is not None:
+        bound = max_memory
+        if isinstance(max_memory, float) and max_memory <= 1.0:
+            bound = int(max_memory * torch.cuda.mem_get_info(device)[0])
+        cache.limit_bytes = cache.kept_bytes + int(bound)
+    recording, runtime.recording = runtime.recording, False
+    limit = getattr(runtime.body, "max_tokens", None)
+    try:
+        for lengths in groups:
+            if limit is not None:
+                lengths = [min(n, limit) for n in lengths]
+            L = max(max(lengths), 1)
+            for mask in modes:
+                args, kwargs = synthetic(lengths, L, device, mask=mask)
+                module(*args, **kwargs)
+                summary.batches += 1
+                bar.update(1)
+        runtime = module._autoragged  # (a structure change re-binds the module)
+        runtime._harvest(wait=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        runtime.recording = recording
+        if cache is not None:
+            summary.bound_reached |= cache.limit_bytes is not None and cache.kept_bytes >= cache.limit_bytes
+            cache.limit_bytes = None
+    summary.modules += 1
+    after = _cache_state(cache)
+    summary.captured += [f"{label}: {_bucket_label(k)}" for k in after["keys"] if k not in before["keys"]]
+    summary.capture_s += (after["capture_ms"] - before["capture_ms"]) / 1e3
+    summary.evictions += after["evictions"] - before["evictions"]
+    summary.declined += after["declined"] - before["declined"]
+    summary.graphs += len(after["keys"])
+    summary.graph_bytes += after["bytes"]
+    return None
+
+
+def _cache_state(cache) -> dict:
+    if cache is None:
+        return {"keys": [], "capture_ms": 0.0, "evictions": 0, "declined": 0, "bytes": 0}
+    return {"keys": list(cache.graphs), "capture_ms": cache.capture_ms, "evictions": cache.evictions,
+            "declined": cache.declined, "bytes": cache.kept_bytes}  # fmt: skip
+
+
+def _bucket_label(key: tuple) -> str:
+    """A graph bucket key as a short label: ragged/<io> rows x batch x max_len <config>, or padded/<io> B x L."""
+    if key[0] == "ragged":
+        rows, batch, max_len, config, causal, io = key[1:]
+        return f"ragged/{io} {rows} rows, {batch} x {max_len}, {config.short()}{' causal' if causal else ''}"
+    batch, length, io = key[1:]
+    return f"padded/{io} {batch} x {length}"
+
+
+# -- the batches ----------------------------------------------------------------------------------------------
+def _batches(runtime, workload, sizes, n: int, rng) -> list[list[int]]:
+    """The synthetic batches (lists of lengths) for one module."""
+    if isinstance(workload, str):
+        workload = [workload]
+    if not isinstance(workload, Sequence) or not workload:
+        raise TypeError(
+            "warmup needs a CoRa workload name or a list of them, a list of sequence lengths, a list of batches "
+            f"(lists of lengths), or 'calibration'; got {type(workload).__name__}"
+        )
+    if all(isinstance(w, str) for w in workload):
+        out = []
+        for name in workload:
+            if name == "calibration":
+                out += _calibrated(runtime)
+            elif name in CORA:
+                out += [sample_cora(name, b, rng) for b in sizes for _ in range(n)]
+            else:
+                raise ValueError(f"unknown workload {name!r}: one of {sorted(CORA)} or 'calibration'")
+        return out
+    if all(isinstance(w, (int, np.integer)) for w in workload):
+        pool = np.asarray(workload, dtype=np.int64)
+        if pool.min() < 0:
+            raise ValueError(f"sequence lengths must be >= 0, got {int(pool.min())}")
+        return [rng.choice(pool, size=b).tolist() for b in sizes for _ in range(n)]
+    batches = [list(map(int, b)) for b in workload if isinstance(b, Sequence) and not isinstance(b, str)]
+    if len(batches) != len(workload) or any(not b or min(b) < 0 for b in batches):
+        raise ValueError("a list of batches must hold non-empty lists of lengths >= 0")
+    return batches
+
+
+def _calibrated(runtime) -> list[list[int]]:
+    """One batch per distinct (batch, max_len, total) the tuner measured on this device: for this module's
+    signature, else for any; lengths with those statistics (one row at max_len, the rest even)."""
+    from ._device import device_key
+    from .tuning_db import DatabaseError
+
+    path = runtime.db_path
+    if path is None or not path.exists():
+        raise ValueError("warmup('calibration') needs the module's tuning database (wrap(db=...)); it has none")
+    from ._recorder import RECORDER
+
+    key = device_key(runtime._param().device).key
+    try:
+        db = RECORDER.open_db(path)
+        found = db.measurements(device=key, signature=runtime.sig_key, source="tune")
+        found = found or db.measurements(device=key, source="tune")
+    except DatabaseError as e:
+        raise ValueError(f"warmup('calibration') cannot read {path}: {e}") from e
+    if not found:
+        raise ValueError(f"{path} holds no calibration of {key}: run python -m autoragged.tune on this device")
+    shapes = sorted({(m.stats.batch, m.stats.max_len, m.stats.total) for m in found})
+    return [_lengths_like(*shape) for shape in shapes if shape[0] > 0]
+
+
+def _lengths_like(batch: int, max_len: int, total: int) -> list[int]:
+    rest = max(total - max_len, 0)
+    if batch == 1:
+        return [max_len]
+    base, extra = divmod(rest, batch - 1)
+    return [max_len] + [min(base + (i < extra), max_len) for i in range(batch - 1)]
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="autoragged warmup", unit="batch", disable=not enabled)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def _compile_clock():
+    """[seconds Triton spent compiling (or loading from its cache) kernels meanwhile], through Triton's JIT
+    hooks where this Triton has them; [None] otherwise (and under the interpreter, which compiles nothing)."""
+    total = [None]
+    try:
+        from triton import knobs
+
+        hooks = knobs.runtime
+        before, after = hooks.jit_cache_hook, hooks.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield total
+        return
+    from .kernels._config import interpreting
+
+    if interpreting():
+        yield total
+        return
+    total[0] = 0.0
+    started = [None]
+
+    def pre(*args, **kwargs):
+        started[0] = time.perf_counter()
+        return before(*args, **kwargs) if before is not None else None
+
+    def post(*args, **kwargs):
+        if started[0] is not None:
+            total[0] += time.perf_counter() - started[0]
+            started[0] = None
+        return after(*args, **kwargs) if after is not None else None
+
+    hooks.jit_cache_hook, hooks.jit_post_compile_hook = pre, post
+    try:
+        yield total
+    finally:
+        hooks.jit_cache_hook, hooks.jit_post_compile_hook = before, after

@@ -1,0 +1,149 @@
+"""Streams on the GPU: captures with no device drain (the GPU still busy) replay right, the runtime captures
+after a batch's eager run and then replays, graphs are sized against the device's memory, a trusted mask
+shape judged one batch behind never synchronises, and `autoragged.warmup` runs on the GPU."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from _fakes import Fixed  # noqa: E402
+from autoragged.tuning_db import BatchStats  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
+from autoragged._planner import Planner, default_ragged_config, graph_config  # noqa: E402
+from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
+from autoragged.runtime import core as dispatch  # noqa: E402
+from autoragged.runtime import graphs as _graphs  # noqa: E402
+
+D, H = 256, 4
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(D, H, 512, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2).to("cuda", torch.float16).eval()
+
+
+def batch(lengths, L=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = L or max(lengths)
+    x = torch.randn(len(lengths), L, D, generator=g).to("cuda", torch.float16)
+    mask = torch.arange(L, device="cuda")[None, :] >= torch.tensor(lengths, device="cuda")[:, None]
+    return x, mask
+
+
+def real(y, lengths):
+    return torch.cat([y[i, :n] for i, n in enumerate(lengths)]).float()
+
+
+def execute(enc, arm, lengths, seed=0):
+    x, mask = batch(lengths, seed=seed)
+    rt = enc._autoragged
+    stats = BatchStats.from_lengths(tuple(lengths))
+    with torch.inference_mode():
+        return rt._execute(enc, TorchCall(rt.body, x, None, mask, None, None), arm, tuple(lengths), stats, None)
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_graphs_captured_while_the_gpu_is_busy_replay_like_eager(monkeypatch, drain):
+    """No device drain before a capture (the default): earlier batches may still be running; the graphs must
+    replay exactly as captured with the drain (AUTORAGGED_CAPTURE_DRAIN=1) and as the eager arms compute."""
+    monkeypatch.setattr(_graphs, "_DRAIN", drain)
+    enc = autoragged.wrap(encoder(), db=False)
+    enc._autoragged.graph_min_seen = 1
+    cfg = default_ragged_config(D // H, 128)
+    arms = [(Arm("ragged_graph", cfg), Arm("ragged", cfg)), (Arm("ragged_graph", cfg.replace(backend="triton")),
+            Arm("ragged", cfg)), (PADDED_GRAPH, PADDED)]  # fmt: skip
+    for i, lengths in enumerate([[37, 5, 100, 1], [64, 64, 3], [200, 1, 90]] * 2):
+        for graph_arm, eager_arm in arms:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work queued ahead of the capture
+            y, note = execute(enc, graph_arm, lengths, seed=i)
+            want, _ = execute(enc, eager_arm, lengths, seed=i)
+            assert note is None, note
+            tol = 1e-2 if graph_arm == PADDED_GRAPH else 2e-3
+            torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=tol, atol=tol)
+    cache = enc._autoragged.graphs
+    assert cache.budget_bytes > 0 and all(g.nbytes > 0 for g in cache.graphs.values())
+    assert cache.kept_bytes == sum(g.nbytes for g in cache.graphs.values())
+
+
+def test_the_runtime_captures_after_the_eager_run_and_then_replays():
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    rt = enc._autoragged
+    head_dim = rt.body.head_dim
+
+    def candidates(stats):
+        return [Arm("ragged", default_ragged_config(head_dim, stats.max_len)),
+                Arm("ragged_graph", graph_config(head_dim, stats.max_len, "cublas"))]  # fmt: skip
+
+    rt.planners[torch.device("cuda", torch.cuda.current_device())] = Planner(
+        rt.sig, Fixed({"padded": 10.0, "ragged": 5.0, "ragged_graph": 1.0}), candidates
+    )
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())]
+    lengths = [50, 7, 33, 20]
+    outs = []
+    with torch.inference_mode():
+        for i in range(4):
+            x, mask = batch(lengths, seed=i)
+            want = rt.body.base.forward(enc, x, None, mask, None)
+            outs.append((enc(x, lengths=lengths), want))
+    arms = [(d.arm, d.reason) for d in autoragged.recent_decisions(enc, 4)]
+    assert [a for a, _ in arms] == ["ragged", "ragged", "ragged_graph", "ragged_graph"], arms
+    assert _graphs.CAPTURE_NEXT in arms[1][1]
+    for y, want in outs:
+        torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)
+    stats = autoragged.graph_stats(enc)["DispatchingTransformerEncoder"]
+    assert stats.captures == 1 and stats.graphs == 1 and stats.capture_ms > 0 and stats.kept_bytes > 0
+
+
+def test_a_trusted_shape_judged_one_batch_behind_never_synchronises():
+    """Mask-only batches of one shape run the padded graph fed the mask; every 8th is judged again from an
+    earlier batch's stats, read from pinned memory: no batch reads lengths or synchronises."""
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    rt = enc._autoragged
+    rt.graph_min_seen = 1
+    planner = Planner(rt.sig, Fixed({"padded": 2.0, "padded_graph": 1.0}), lambda stats: [PADDED_GRAPH])
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    B, L = 4, 60
+    rt.mask_shapes[rt._shape_key(B, L)] = dispatch._shape_entry(dispatch._TRUST, PADDED_GRAPH, {"padded": 2.0,
+                                                                "padded_graph": 1.0})  # fmt: skip
+    rt.sync_samples.append(0.05)  # as if a read had been timed: verdicts one batch behind are allowed
+    g = torch.Generator().manual_seed(0)
+    totals = []
+    with torch.inference_mode():
+        for i in range(40):
+            lengths = torch.randint(1, L + 1, (B,), generator=g)
+            lengths[0] = L
+            mask = (torch.arange(L)[None, :] >= lengths[:, None]).cuda()
+            x = torch.randn(B, L, D, generator=g).to("cuda", torch.float16)
+            if i >= 2:  # captured by now
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = enc(x, src_key_padding_mask=mask)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            totals.append(int(lengths.sum()))
+            if i % 10 == 0:
+                want = rt.body.base.forward(enc, x, None, mask, None)
+                torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+    decisions = autoragged.recent_decisions(enc, 40)
+    assert all("not read" in d.reason for d in decisions)
+    assert [d.stats.total for d in decisions] == totals
+    assert rt.mask_shapes[rt._shape_key(B, L)][0] > dispatch._TRUST  # judged again (and kept) along the way
+
+
+def test_warmup_on_the_gpu_leaves_the_model_right():
+    enc = autoragged.wrap(encoder(), db=False)
+    s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)
+    assert s.modules == 1 and s.batches == 12 and s.seconds > 0
+    assert s.graph_bytes == enc._autoragged.graphs.kept_bytes and len(s.captured) <= s.graphs + s.evictions
+    lengths = [60, 21, 9, 33, 47, 58, 12, 30]
+    x, mask = batch(lengths)
+    with torch.inference_mode():
+        y = enc(x, src_key_padding_mask=mask)
+        want = enc._autoragged.body.base.forward(enc, x, None, mask, None)
+    torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)
