@@ -16,7 +16,7 @@ from torch import nn
 from ._recorder import RECORDER
 from .adapters import adapters_for
 from .kernels._config import KernelConfig
-from .runtime.core import POLICIES, Options, Runtime
+from .runtime.core import CAPTURE_RULES, MASK_READS, POLICIES, Options, Runtime
 from .tuning_db import Decision, default_path
 
 __all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "POLICIES"]
@@ -46,6 +46,8 @@ def wrap(
     config: KernelConfig | None = None,
     graphs: bool = True,
     graph_cap: int | None = None,
+    capture: str = CAPTURE_RULES[0],
+    mask_reads: str = MASK_READS[0],
 ) -> nn.Module:
     """Make every module of `model` that an adapter can run choose, per batch, between its own padded forward
     and our ragged kernels: `nn.TransformerEncoder` (and `nn.TransformerEncoderLayer` outside one), and the base
@@ -69,6 +71,11 @@ def wrap(
                bucket's recurrence promises enough replays to repay the capture (runtime/graphs.py).
     graph_cap: graphs kept per module, least recently used out; None (default): as many as fit a tenth of the
                device memory obtainable at the module's first capture (`autoragged.graph_stats` shows them).
+    capture:   "second_sight" (default): a bucket is captured the second time it is asked for; "pays": only when
+               its recurrence promises replays enough to repay the capture (lost on the benchmark of record).
+    mask_reads: "one_behind" (default): mask-only shapes are keyed by B and the padded length's bucket, trusted
+               after 2 verdicts, and re-judged from an earlier batch's stats without a read; "recheck": keyed by
+               (B, L), trusted after 3, and every 16th batch of a trusted shape reads its lengths.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -76,6 +83,10 @@ def wrap(
         raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"sample_every must be an int >= 0, got {sample_every!r}")
+    if capture not in CAPTURE_RULES:
+        raise ValueError(f"capture must be one of {CAPTURE_RULES}, got {capture!r}")
+    if mask_reads not in MASK_READS:
+        raise ValueError(f"mask_reads must be one of {MASK_READS}, got {mask_reads!r}")
     if graph_cap is not None and (not isinstance(graph_cap, int) or graph_cap < 1):
         raise ValueError(f"graph_cap must be None (sized from memory) or an int >= 1, got {graph_cap!r}")
     targets, skipped = _targets(model)
@@ -86,7 +97,8 @@ def wrap(
             "(see the README's list of families)" + (f"; not wrapped: {'; '.join(skipped)}" if skipped else "")
         )
     db_path = _resolve_db(db)
-    options = Options(policy, db_path, sample_every, explore, validate_lengths, config, graphs, graph_cap)
+    options = Options(policy, db_path, sample_every, explore, validate_lengths, config, graphs, graph_cap, capture,
+                      mask_reads)  # fmt: skip
     padded_forever = []
     for adapter, module in targets:
         for inner in module.modules():  # modules wrapped on their own earlier now run inside this one

@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--datasets", nargs="+", choices=list(CORA), help="rows to run (default: all eight)")
     p.add_argument("--db", help="tuning database for the auto column (default $AUTORAGGED_DB or ~/.cache)")
+    p.add_argument("--capture", default="second_sight", help="wrap(capture=...) of the auto column (or pays)")
+    p.add_argument("--mask-reads", default="one_behind", help="wrap(mask_reads=...): one_behind or recheck")
+    p.add_argument("--graph-cap", type=int, help="wrap(graph_cap=...) of the auto column (default: from memory)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/cora_table.json)")
     args = p.parse_args(argv)
     args.columns = ALL_COLUMNS if args.columns == ["all"] else args.columns
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ragged" in args.columns:
         models["ragged"] = autoragged.wrap(copy.deepcopy(plain), db=False, policy="ragged", sample_every=0)
     if {"auto", "auto_lengths"} & set(args.columns):
-        models["auto"] = autoragged.wrap(copy.deepcopy(plain), db=args.db, policy="auto")
+        models["auto"] = autoragged.wrap(copy.deepcopy(plain), db=args.db, policy="auto", capture=args.capture,
+                                         mask_reads=args.mask_reads, graph_cap=args.graph_cap)  # fmt: skip
     if "oracle" in args.columns:
         models["oracle"] = ArmRunner(copy.deepcopy(plain))
     if "compile" in args.columns:

@@ -23,11 +23,11 @@ Columns, CoRa encoder (6 x 512, fp16), called with the key padding mask unless s
                    first sight, inside the stream: what a graph-always policy pays)
   auto             autoragged.wrap(model)
   auto_lengths     the same, called with lengths= (host ints: no device sync)
-  auto_before      (--before) auto with the rules before the capture policy: capture at a bucket's second sight,
-                   16 graphs a module, (B, L) mask shapes trusted after 3 reads and read every 16th batch
+  auto_before      (--before) auto with the rules before this issue's: 16 graphs a module, (B, L) mask shapes
+                   trusted after 3 reads and read every 16th batch (captures at a bucket's second sight, as now)
   auto_warmed      (--warmup-call) auto after autoragged.warmup(model, <the row's workload>, batch_sizes=[B])
-  auto_recheck     (--ablate) auto with the capture policy but the mask rules before (read every 16th, ...)
-  auto_nopolicy    (--ablate) auto with the mask rules of now but captures at the second sight, 16 graphs
+  auto_recheck     (--ablate) auto with the mask rules before (wrap(mask_reads="recheck"))
+  auto_pays        (--ablate) auto with captures only when their recurrence repays them (wrap(capture="pays"))
 HF bert-base (random weights, fp16, sdpa): hf_sdpa (the model's own padded forward), varlen (the model's
 modules on packed tokens, varlen_attn), ragged, ragged_graph, auto, auto_lengths (and the optional ones).
 For wrapped columns the JSON also has, over the timed stream, the arms that ran, the batches that read their
@@ -73,7 +73,7 @@ from benchmarks._common import environment, header, require_cuda, table, write_j
 
 CORA_COLUMNS = ["pytorch_fast", "pytorch_nofast", "varlen", "ragged", "ragged_graph", "auto", "auto_lengths"]
 HF_COLUMNS = ["hf_sdpa", "varlen", "ragged", "ragged_graph", "auto", "auto_lengths"]
-OPTIONAL = ["auto_before", "auto_warmed", "auto_recheck", "auto_nopolicy"]
+OPTIONAL = ["auto_before", "auto_warmed", "auto_recheck", "auto_pays"]
 WRAPPED = ("ragged", "auto", "auto_lengths", *OPTIONAL)
 QUICK = (["CoLA", "MNLI", "RACE"], [32, 128])
 
@@ -125,15 +125,18 @@ def _hf_varlen(plain):
     return VarlenPeer(plain)
 
 
-def _legacy(model, captures: bool = True, masks: bool = True) -> None:
-    """The rules before the capture policy (capture at the second sight, 16 graphs) and before one-batch-behind
-    mask judging, or one of them, on every wrapped module."""
+def _legacy(model, cap: bool = True, masks: bool = True, pays: bool = False) -> None:
+    """On every wrapped module: the rules before this issue's (16 graphs; (B, L) mask shapes read every 16th
+    batch), or one of them; or the capture policy that captures only what repays itself (`pays`)."""
     for m in model.modules():
         runtime = m.__dict__.get("_autoragged")
-        if runtime is not None and captures:
-            runtime.capture_policy, runtime.graph_cap = False, 16
-        if runtime is not None and masks:
+        if runtime is None:
+            continue
+        if cap:
+            runtime.graph_cap = 16
+        if masks:
             runtime.mask_reads = "recheck"
+        runtime.capture_policy = pays
 
 
 def _caller(model, hf: bool, lengths: bool = False):
@@ -177,8 +180,8 @@ def make_column(col: str, family: str, plain, args, dataset: str, batch: int):
     options = {"db": False, "policy": "ragged", "sample_every": 0} if forced else {"db": args.db}
     model = autoragged.wrap(copy.deepcopy(plain), **options)
     info: dict = {}
-    if col in ("auto_before", "auto_recheck", "auto_nopolicy"):
-        _legacy(model, captures=col != "auto_recheck", masks=col != "auto_nopolicy")
+    if col in ("auto_before", "auto_recheck", "auto_pays"):
+        _legacy(model, cap=col == "auto_before", masks=col != "auto_pays", pays=col == "auto_pays")
     if col == "auto_warmed":
         s = autoragged.warmup(model, dataset, batch_sizes=[batch], batches=args.warmup_batches, progress=False,
                               seed=12345)  # fmt: skip
@@ -331,7 +334,7 @@ def _ratios(row: dict) -> None:
         row["auto_vs_varlen"] = row["varlen"] / auto
     if row.get("auto_lengths"):
         row["auto_over_lengths"] = auto / row["auto_lengths"]  # <= 1.15
-    for col in ("auto_before", "auto_recheck", "auto_nopolicy"):
+    for col in ("auto_before", "auto_recheck", "auto_pays"):
         if row.get(col):
             row[f"{col[5:]}_over_auto"] = row[col] / auto
 
@@ -344,7 +347,7 @@ def summarize(rows: list[dict]) -> dict:
         "auto_over_lengths",
         "before_over_auto",
         "recheck_over_auto",
-        "nopolicy_over_auto",
+        "pays_over_auto",
     ):
         vals = [r[key] for r in rows if r.get(key)]
         if vals:
@@ -357,7 +360,7 @@ def print_table(family: str, rows: list[dict], columns: list[str]) -> None:
     cols = [("dataset", "dataset", ""), ("batch", "B", "d")] + [(c, c, ".3f") for c in columns]
     cols += [("auto_vs_best", "best eager / auto", ".2f"), ("auto_vs_varlen", "varlen / auto", ".2f"),
              ("auto_over_lengths", "auto / auto_lengths", ".2f")]  # fmt: skip
-    for col in ("auto_before", "auto_recheck", "auto_nopolicy"):
+    for col in ("auto_before", "auto_recheck", "auto_pays"):
         if col in columns:
             cols.append((f"{col[5:]}_over_auto", f"{col[5:]} / auto", ".2f"))
     print(f"\n## {family}: ms per batch over the timed stream (back to back, no sync between batches)\n")
@@ -462,7 +465,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--columns", nargs="+", help="subset of the model's columns and the optional ones")
     p.add_argument("--before", action="store_true", help="also auto_before (the rules before the capture policy)")
     p.add_argument("--warmup-call", action="store_true", help="also auto_warmed: autoragged.warmup() first")
-    p.add_argument("--ablate", action="store_true", help="also auto_recheck and auto_nopolicy (one rule each)")
+    p.add_argument("--ablate", action="store_true", help="also auto_recheck and auto_pays (one rule each)")
     p.add_argument("--warmup-batches", type=int, default=24, help="warmup()'s batches per size (default 24)")
     p.add_argument("--fresh-process", action="store_true", help="cold start in fresh processes (see above)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         known = CORA_COLUMNS if family == "cora" else HF_COLUMNS
         columns = list(args.user_columns or known)
         extra = {"auto_before": args.before, "auto_warmed": args.warmup_call, "auto_recheck": args.ablate,
-                 "auto_nopolicy": args.ablate}  # fmt: skip
+                 "auto_pays": args.ablate}  # fmt: skip
         columns += [c for c, on in extra.items() if on]
         unknown = sorted(set(columns) - set(known) - set(OPTIONAL))
         if unknown:

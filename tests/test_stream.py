@@ -202,7 +202,7 @@ def _same_batch(enc, n: int, lengths=(9, 3, 6)):
 
 
 def test_the_runtime_captures_after_the_eager_run_when_it_pays(fake_device, monkeypatch, reference_ops):
-    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0)
+    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0, capture="pays")
     rt, cache = _graph_runtime(enc, monkeypatch, {"padded": 10.0, "ragged": 5.0, "ragged_graph": 1.0})
     outs, want, mask = _same_batch(enc, 3)
     first, second, third = autoragged.recent_decisions(enc, 3)
@@ -218,7 +218,7 @@ def test_the_runtime_captures_after_the_eager_run_when_it_pays(fake_device, monk
 def test_a_capture_that_does_not_pay_runs_the_best_eager_arm(fake_device, monkeypatch, reference_ops):
     """The graph saves 0.01 ms a batch: not worth a capture; the batch runs the plan's best eager arm (padded
     here, not the graph's eager form), and the record says which and why."""
-    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0)
+    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0, capture="pays")
     rt, cache = _graph_runtime(enc, monkeypatch, {"padded": 3.0, "ragged": 5.0, "ragged_graph": 2.99})
     outs, want, mask = _same_batch(enc, 4)
     decisions = autoragged.recent_decisions(enc, 4)
@@ -227,7 +227,7 @@ def test_a_capture_that_does_not_pay_runs_the_best_eager_arm(fake_device, monkey
     assert not cache.graphs and cache.captures == 0
     for y in outs:
         torch.testing.assert_close(y[~mask], want[~mask], rtol=1e-4, atol=1e-4)
-    rt.capture_policy = False  # the rule before: captured at the second sight whatever it saves
+    rt.capture_policy = False  # wrap(capture="second_sight"): captured at the second sight whatever it saves
     _same_batch(enc, 1)
     assert cache.captures == 1 and autoragged.recent_decisions(enc, 1)[0].arm == "ragged_graph"
 
@@ -458,7 +458,7 @@ def test_stream_table_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
     cora, bert = results["models"]["cora"]["rows"][0], results["models"]["bert-base"]["rows"][0]
     for row in (cora, bert):
         assert row["tokens"] > 0 and all(row[c] > 0 for c in ("auto", "auto_lengths", "auto_warmed", "auto_before",
-                                                              "auto_recheck", "auto_nopolicy"))  # fmt: skip
+                                                              "auto_recheck", "auto_pays"))  # fmt: skip
         assert row["before_over_auto"] > 0 and row["recheck_over_auto"] > 0
         assert set(row["failed"]) == {"varlen", "ragged_graph"}  # CUDA only
         assert row["auto_max_err"] < 1e-3 and row["diag"]["auto"]["mask_reads"] <= 2

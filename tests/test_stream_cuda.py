@@ -71,7 +71,7 @@ def test_graphs_captured_while_the_gpu_is_busy_replay_like_eager(monkeypatch, dr
 
 
 def test_the_runtime_captures_after_the_eager_run_and_then_replays():
-    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0, capture="pays")
     rt = enc._autoragged
     head_dim = rt.body.head_dim
 

@@ -50,7 +50,7 @@ from ..kernels._config import KernelConfig
 from ..tuning_db import BatchStats, Measurement
 from .records import PadsRing, Record
 
-__all__ = ["Runtime", "Options", "POLICIES", "pad_mask"]
+__all__ = ["Runtime", "Options", "POLICIES", "CAPTURE_RULES", "MASK_READS", "pad_mask"]
 
 log = logging.getLogger("autoragged")
 POLICIES = ("auto", "padded", "ragged")
@@ -90,6 +90,15 @@ class Options:
     config: KernelConfig | None = None
     graphs: bool = True
     graph_cap: int | None = None
+    capture: str = "second_sight"
+    mask_reads: str = "one_behind"
+
+
+# "second_sight" first: the default. "pays" captures a bucket only when its recurrence repays the capture; on the
+# benchmark of record it declined captures the lengths= calls needed (H100, 2026-11-24, cora_table --quick:
+# MNLI B=128 2.54 ms against 0.77, RACE B=32 2.67 against 1.35; `cora_table_capture_ablation.json`)
+CAPTURE_RULES = ("second_sight", "pays")
+MASK_READS = ("one_behind", "recheck")
 
 
 def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
@@ -139,8 +148,8 @@ class Runtime:
         self.graphs = None  # GraphCache, made on the first graph arm
         self.graph_min_seen = 2  # capture a bucket at its second sight at the earliest
         # False: capture a bucket at its second sight, at once, cost or not (the rule before the capture policy)
-        self.capture_policy = True
-        self.mask_reads = "one_behind"  # or "recheck" (the rule before: see _TRUST_RECHECK)
+        self.capture_policy = options.capture == "pays"
+        self.mask_reads = options.mask_reads  # "one_behind", or "recheck" (the rule before: see _TRUST_RECHECK)
         self.recording = True  # decisions and timings go to the database (`autoragged.warmup` turns it off)
         self._probe, self._probe_epoch = None, -1
         self._params, self._params_epoch = [], -1
@@ -323,6 +332,9 @@ class Runtime:
             record.arm = self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
+        if graphs is not None and graphs.evicted_note:  # captured in this call, evicting others to keep it
+            record.reason += graphs.evicted_note
+            graphs.evicted_note = ""
         if sampled:
             end.record()
             self.ring.append(record)

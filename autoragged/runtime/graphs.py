@@ -583,6 +583,7 @@ class GraphCache:
         self.costs: dict[str, deque[float]] = {}  # kind -> capture ms / eager ms of its recent captures
         self.kinds: set[str] = set()  # kinds captured once (that capture, compiles and all, is not a sample)
         self.deferred: tuple | None = None  # a capture to make once the batch's eager run is queued
+        self.evicted_note = ""  # evictions of a capture made inside a lookup, for the batch's decision record
         self._ptrs: tuple[int, ...] | None = None
         # bumped whenever a graph leaves the cache (evicted, cleared, dropped for moved parameters): a caller
         # that kept a weak reference to a graph with the generation it saw may replay it without a lookup
@@ -684,6 +685,8 @@ class GraphCache:
             self.deferred = (key, make, device, kind, costs[0])
             return None, CAPTURE_NEXT
         graph, note = self._capture(key, make, device, kind, None)
+        if graph is not None and note:  # captured now and replayed: the batch's record names the evictions
+            self.evicted_note = f"; {note} evicted ({'graph cap' if self.cap is not None else 'memory budget'})"
         return graph, (None if graph is not None else note)
 
     def capture_deferred(self) -> str:
