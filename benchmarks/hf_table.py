@@ -228,8 +228,14 @@ def encode_bench(args, device) -> dict:
                 emb = st.encode(sentences, batch_size=args.encode_batch, convert_to_tensor=True)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            result[mode] = {"cold_s": times[0], "warm_s": times[1], "sentences_per_s": len(sentences) / times[1],
-                            "tokenize_s": tokenize_s, "forward_cold_s": forward_s[0], "forward_warm_s": forward_s[1]}
+            result[mode] = {
+                "cold_s": times[0],
+                "warm_s": times[1],
+                "sentences_per_s": len(sentences) / times[1],
+                "tokenize_s": tokenize_s,
+                "forward_cold_s": forward_s[0],
+                "forward_warm_s": forward_s[1],
+            }
             result[f"{mode}_embeddings"] = emb.float()
     diff = (result.pop("wrapped_embeddings") - result.pop("plain_embeddings")).abs().max().item()
     result["max_abs_diff"] = diff
@@ -250,8 +256,9 @@ def host_profile(models, device, dataset: str = "CoLA", batch: int = 128, calls:
     stats = BatchStats.from_lengths(tuple(lengths), padded_len=ids.shape[1])
     arm = Arm("ragged_graph", graph_config(runner.runtime.body.head_dim, max(lengths), "cublas"))
     calls_of = {
-        "forced cublas graph": lambda: runner.run_call(arm, runner.hf_call({"input_ids": ids, "attention_mask": mask}),
-                                                       tuple(lengths), stats),  # fmt: skip
+        "forced cublas graph": lambda: runner.run_call(
+            arm, runner.hf_call({"input_ids": ids, "attention_mask": mask}), tuple(lengths), stats
+        ),  # fmt: skip
         "auto lengths=": lambda: auto(input_ids=ids, lengths=lengths),
         "auto mask": lambda: auto(input_ids=ids, attention_mask=mask),
     }

@@ -183,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=20.0,
                    help="recorder mode: simulated batches per second (times of the decisions; default 20: 1M "
                         "batches span ~14 hours, so hourly totals roll over)")  # fmt: skip
-    p.add_argument("--keep", type=_keep, default=None,
-                   help="decisions kept per module, or 'all' (default: the library's, $AUTORAGGED_DB_KEEP_DECISIONS)")
+    p.add_argument(
+        "--keep",
+        type=_keep,
+        default=None,
+        help="decisions kept per module, or 'all' (default: the library's, $AUTORAGGED_DB_KEEP_DECISIONS)",
+    )
     p.add_argument("--db", help="database file (default: a fresh temporary one)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/soak[_wrapped].json)")
     args = p.parse_args(argv)

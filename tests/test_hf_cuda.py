@@ -28,7 +28,11 @@ def model(name, dtype, layers=None, pooler=True):
     if layers:
         config.num_hidden_layers = layers
     torch.manual_seed(0)
-    m = transformers.BertModel(config, add_pooling_layer=pooler) if not pooler else transformers.AutoModel.from_config(config)
+    m = (
+        transformers.BertModel(config, add_pooling_layer=pooler)
+        if not pooler
+        else transformers.AutoModel.from_config(config)
+    )
     return m.to("cuda", dtype).eval()
 
 

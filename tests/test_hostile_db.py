@@ -137,18 +137,27 @@ def _detached_cycle(p: dict) -> None:
 
 BAD_PAYLOADS = {
     # name: (mutate the payload dict, or None; raw text, or None; words the warning must hold)
-    "cycle": (lambda p: p["trees"].update(left=[1, 0, 0, 0, 0, 0], leaf=[False, True, True, False, True, True]),
-              None, "do not form trees"),
-    "cycle, huge depth": (lambda p: p.update(depth=10**12) or p["trees"].update(left=[0, 0, 0, 4, 0, 0]),
-                          None, "depth"),
+    "cycle": (
+        lambda p: p["trees"].update(left=[1, 0, 0, 0, 0, 0], leaf=[False, True, True, False, True, True]),
+        None,
+        "do not form trees",
+    ),
+    "cycle, huge depth": (
+        lambda p: p.update(depth=10**12) or p["trees"].update(left=[0, 0, 0, 4, 0, 0]),
+        None,
+        "depth",
+    ),
     "detached cycle": (_detached_cycle, None, "not reached from any root"),
     "bad JSON": (None, '{"kind": "gbt-arrays", "trees": [1, 2', "unreadable payload JSON"),
     "a list": (None, "[1, 2, 3]", "not a JSON object"),
     "200k-deep nesting": (None, "[" * 200_000 + "]" * 200_000, "nested too deeply"),
     "feature names": (lambda p: p["feature_names"].reverse(), None, "other features"),
     "feature version": (lambda p: p.update(feature_version=FEATURE_VERSION - 1), None, "other features"),
-    "shortlist config": (lambda p: p["candidates"]["*"][0]["configs"].append({"block_m": 48}), None,
-                         "not a valid KernelConfig"),
+    "shortlist config": (
+        lambda p: p["candidates"]["*"][0]["configs"].append({"block_m": 48}),
+        None,
+        "not a valid KernelConfig",
+    ),
     "shortlist shape": (lambda p: p.update(candidates={"*": {"max_len_le": 3}}), None, "not a list"),
     "missing field": (lambda p: p.pop("baseline"), None, "no field 'baseline'"),
     "missing tree array": (lambda p: p["relative"]["trees"].pop("value"), None, "no field 'value'"),

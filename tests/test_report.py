@@ -433,7 +433,7 @@ def _loosen(conn, table):
 DAMAGE = [
     ("decisions", 1, {"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
     ("decisions", 2, {"predicted_ms": "'[1, 2]'"}, "predicted_ms is not a JSON object"),
-    ("decisions", 3, {"predicted_ms": "'{\"padded\": \"1\"}'"}, "predicted_ms holds a value that is not a finite"),
+    ("decisions", 3, {"predicted_ms": '\'{"padded": "1"}\''}, "predicted_ms holds a value that is not a finite"),
     ("decisions", 4, {"config": "'{\"block_m\": '"}, "unreadable config JSON"),
     ("decisions", 5, {"batch": "'four'"}, "batch is not a non-negative integer"),
     ("decisions", 6, {"arm": "'banana'"}, "unknown arm kind"),

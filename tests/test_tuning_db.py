@@ -295,7 +295,7 @@ def _damage(path: Path, table: str, row_id: int, **columns) -> None:
 
 DAMAGED_DECISIONS = {  # row id -> (columns set to raw SQL, the problem a reader reports)
     2: ({"predicted_ms": "'{\"padded\": 1.0'"}, "unreadable predicted_ms JSON"),
-    3: ({"predicted_ms": "'{\"padded\": \"fast\"}'"}, "predicted_ms holds a value that is not a finite number"),
+    3: ({"predicted_ms": '\'{"padded": "fast"}\''}, "predicted_ms holds a value that is not a finite number"),
     4: ({"batch": "'many'"}, "batch is not a non-negative integer"),
     5: ({"time": "'yesterday'"}, "time is not a finite number"),
     6: ({"config": "'[1, 2]'"}, "config is not a JSON object"),
@@ -543,7 +543,13 @@ def test_prune_keeps_the_newest_per_signature_and_adds_the_rest_up(db):
     assert len(db.decisions(signature="other")) == 3
     (t,) = db.decision_totals()
     assert (t.batches, t.first, t.last, t.sampled, t.measured_sum, t.measured_min, t.measured_max) == (
-        6, 1000.0, 1005.0, 2, 3.0, 0.0, 3.0
+        6,
+        1000.0,
+        1005.0,
+        2,
+        3.0,
+        0.0,
+        3.0,
     )
     db.add_decisions([decision(i) for i in (20, 21)])
     assert db.prune_decisions(4, rollup, pairs=[(H100.key, ENC.key)]) == 2  # totals merge: sums add, min/max

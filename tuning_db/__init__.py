@@ -20,7 +20,14 @@ from ._db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, ModelRecord, TuningDB, de
 from ._errors import DatabaseError, RowError
 from ._rows import Skipped
 from .records import (
-    BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement, ModuleSignature, config_key,
+    BatchStats,
+    BucketTotals,
+    Decision,
+    DecisionTotals,
+    DeviceKey,
+    Measurement,
+    ModuleSignature,
+    config_key,
 )  # fmt: skip
 
 __all__ = [

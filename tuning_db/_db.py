@@ -31,6 +31,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._errors import DatabaseError, RowError, explain
+from ._rows import (
+    BadRow,
+    Skipped,
+    buckets_from,
+    decision_from,
+    device_from,
+    measurement_from,
+    model_fields,
+    totals_from,
+)  # fmt: skip
 from .migrations import (
     DATA_TABLES,
     MIGRATIONS,
@@ -41,11 +51,17 @@ from .migrations import (
     unknown_migrations,
     write_transaction,
 )
-from ._rows import (
-    BadRow, Skipped, buckets_from, decision_from, device_from, measurement_from, model_fields, totals_from,
-)  # fmt: skip
 from .records import (
-    _MAXES, _MINS, _SUMS, BatchStats, BucketTotals, Decision, DecisionTotals, DeviceKey, Measurement, ModuleSignature,
+    _MAXES,
+    _MINS,
+    _SUMS,
+    BatchStats,
+    BucketTotals,
+    Decision,
+    DecisionTotals,
+    DeviceKey,
+    Measurement,
+    ModuleSignature,
     config_key,
 )  # fmt: skip
 
@@ -147,38 +163,44 @@ def _stats_row(stats: BatchStats) -> dict[str, Any]:
 
 def decision_row(d: Decision) -> dict[str, Any]:
     """The `decisions` row of `d` (without id); ValueError for a value JSON or SQLite would not keep (NaN, inf)."""
-    return _check_finite_row({
-        "time": d.time,
-        "device": _key(d.device),
-        "signature": _key(d.signature),
-        "arm": d.arm,
-        "config_key": config_key(d.config),
-        "config": None if d.config is None else _dumps(d.config, "Decision.config"),
-        **_stats_row(d.stats),
-        "predicted_ms": _dumps(d.predicted_ms, "Decision.predicted_ms"),
-        "reason": d.reason,
-        "measured_ms": d.measured_ms,
-    }, "Decision")
+    return _check_finite_row(
+        {
+            "time": d.time,
+            "device": _key(d.device),
+            "signature": _key(d.signature),
+            "arm": d.arm,
+            "config_key": config_key(d.config),
+            "config": None if d.config is None else _dumps(d.config, "Decision.config"),
+            **_stats_row(d.stats),
+            "predicted_ms": _dumps(d.predicted_ms, "Decision.predicted_ms"),
+            "reason": d.reason,
+            "measured_ms": d.measured_ms,
+        },
+        "Decision",
+    )
 
 
 def measurement_row(m: Measurement) -> dict[str, Any]:
     """The `measurements` row of `m` (without id); ValueError for a value JSON or SQLite would not keep."""
-    return _check_finite_row({
-        "device": _key(m.device),
-        "signature": _key(m.signature),
-        "arm": m.arm,
-        "config_key": config_key(m.config),
-        "config": None if m.config is None else _dumps(m.config, "Measurement.config"),
-        **_stats_row(m.stats),
-        "median_ms": m.median_ms,
-        "p10_ms": m.p10_ms,
-        "p90_ms": m.p90_ms,
-        "reps": m.reps,
-        "time": m.time,
-        "source": m.source,
-        "distribution": m.distribution,
-        "extra": _dumps(m.extra, "Measurement.extra"),
-    }, "Measurement")
+    return _check_finite_row(
+        {
+            "device": _key(m.device),
+            "signature": _key(m.signature),
+            "arm": m.arm,
+            "config_key": config_key(m.config),
+            "config": None if m.config is None else _dumps(m.config, "Measurement.config"),
+            **_stats_row(m.stats),
+            "median_ms": m.median_ms,
+            "p10_ms": m.p10_ms,
+            "p90_ms": m.p90_ms,
+            "reps": m.reps,
+            "time": m.time,
+            "source": m.source,
+            "distribution": m.distribution,
+            "extra": _dumps(m.extra, "Measurement.extra"),
+        },
+        "Measurement",
+    )
 
 
 def _finite(value: Any) -> bool:
@@ -216,6 +238,8 @@ _DECISION_REQUIRED = ("time", "device", "signature", "arm", "config_key", *_STAT
 _MEASUREMENT_REQUIRED = (
     "device", "signature", "arm", "config_key", *_STATS_FIELDS, "median_ms", "reps", "time", "source"
 )  # fmt: skip
+
+
 @functools.cache
 def _upsert(table: str, cls: type) -> tuple[str, list[str]]:
     """(INSERT ... ON CONFLICT DO UPDATE that adds a totals record into `table`, the column order)."""
