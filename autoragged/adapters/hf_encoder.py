@@ -221,11 +221,6 @@ class HFEncoderBody(_hf.HFBody):
         head_dim = (getattr(config, "hidden_size", None) or getattr(config, "dim", 0)) // heads
         if head_dim not in HEAD_DIMS:
             return f"head dim {head_dim} (the ragged attention kernel supports {HEAD_DIMS})"
-        if config.model_type == "modernbert" and "sliding_attention" in config.layer_types:
-            from ..kernels import ragged_attention as k_attn
-
-            if "window" not in k_attn.ragged_attention.__kwdefaults__:
-                return "local (sliding-window) attention layers: the ragged attention kernel has no windows"
         return None
 
     def values(self, x, layout, config, causal, hidden=None):
