@@ -98,6 +98,7 @@ class Layout:
         "_gaps",
         "__weakref__",
     )
+    key_lengths = None  # every row is a key (a CUDA graph's static layout may have query-only rows)
     # The rows a batch fills, as a (1,) device tensor, where only the device knows them: a CUDA graph's
     # layout built in the graph (autoragged/runtime/graphs.py). Row-wise kernels stop there. A host layout: None.
     live = None

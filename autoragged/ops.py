@@ -56,19 +56,22 @@ def attention_values(
     window: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """q (rows, H, Dh), k and v (rows, Hkv, Dh) values of `layout`, Hkv dividing H; returns (rows, H, Dh),
-    gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`."""
+    gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`. A layout with
+    `key_lengths` (a CUDA graph's fed a mask, for a first-token pooler) has query-only rows past them."""
     k_attn.check_inputs(q, k, v)
     left, right = k_attn.check_window(window)
+    key_lengths = getattr(layout, "key_lengths", None)
     if not use_triton(q):
+        keys = None if key_lengths is None else key_lengths.tolist()
         return k_attn.ragged_attention_ref(
-            q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale, window=(left, right)
+            q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale, window=(left, right), key_lengths=keys
         )
     config = config or k_attn.default_config(q.shape[-1], layout.max_len, q.element_size())
     if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
         config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
     grid_mapping, block_offsets = layout.prelude(config.block_m, q.device)
-    if _compiling(q):
+    if _compiling(q) and key_lengths is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return torch.ops.autoragged.ragged_attention(
             q, k, v, offsets, lengths, grid_mapping, block_offsets, bool(causal), scale,
@@ -76,7 +79,7 @@ def attention_values(
         )  # fmt: skip
     return k_attn.ragged_attention(
         q, k, v, offsets, lengths, grid_mapping, block_offsets, causal=causal, scale=scale, config=config,
-        window=(left, right),
+        window=(left, right), key_lengths=key_lengths,
     )  # fmt: skip
 
 

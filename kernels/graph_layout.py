@@ -18,6 +18,10 @@ Shape contracts
     From a mask (from_mask): args as kernels/masked_pack.py has them; lengths[i] = real tokens of mask
     row i (0 for i >= ARG_B); align must be 1 (components back to back). offsets[batch] is then the rows
     the batch fills, which the graph's row-wise kernels read as their live row count.
+    With first_column (from a mask only): a row whose column 0 is a pad but which has real tokens (left
+    padding) gets one more row, a query-only row for that column (a first-token pooler reads it: see
+    kernels/masked_pack.py); lengths[i] counts it, and meta grows by a section:
+              key_lengths    [.., + batch]              real tokens of each row (the attention's keys)
 """
 
 from __future__ import annotations
@@ -35,14 +39,21 @@ from .ragged_pack import ARGS_HEAD
 __all__ = ["layout", "layout_ref", "meta_size", "sections"]
 
 
-def meta_size(batch: int, programs: int) -> int:
-    return 2 * batch + 1 + programs + batch + 1
+def meta_size(batch: int, programs: int, first_column: bool = False) -> int:
+    return 2 * batch + 1 + programs + batch + 1 + (batch if first_column else 0)
 
 
 def sections(meta, batch: int, programs: int):
     """(offsets, lengths, grid_mapping, block_offsets): views of `meta` (a tensor or an array)."""
     grid = 2 * batch + 1
-    return meta[: batch + 1], meta[batch + 1 : grid], meta[grid : grid + programs], meta[grid + programs :]
+    end = grid + programs + batch + 1
+    return meta[: batch + 1], meta[batch + 1 : grid], meta[grid : grid + programs], meta[grid + programs : end]
+
+
+def key_lengths(meta, batch: int, programs: int):
+    """The key_lengths section of a first_column layout's `meta` (module docstring)."""
+    start = meta_size(batch, programs)
+    return meta[start : start + batch]
 
 
 @triton.jit
@@ -58,6 +69,7 @@ def _layout_kernel(
     BLOCK_P: tl.constexpr,
     FROM_MASK: tl.constexpr,  # lengths counted from the mask args point at (kernels/masked_pack.py)
     BLOCK_L: tl.constexpr,
+    FIRST_COL: tl.constexpr,  # (from a mask) a left-padded row's column 0 as one more, query-only, row
 ):
     pid = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
@@ -73,6 +85,10 @@ def _layout_kernel(
             t = s + tl.arange(0, BLOCK_L)[None, :]
             pad = tl.load(rows + t * stride_ml, mask=rows_real[:, None] & (t < L), other=1)
             lens += tl.sum((pad == 0).to(tl.int32), 1)
+        if FIRST_COL:
+            keys = lens
+            first = tl.load(mask_ptr + b.to(tl.int64) * tl.load(args_ptr + 9), mask=rows_real & (b * 0 < L), other=0)
+            lens += ((first != 0) & (keys > 0)).to(tl.int32)
     else:
         lens = tl.load(args_ptr + HEAD + b, mask=real, other=0).to(tl.int32)
     ext = (lens + ALIGN - 1) // ALIGN * ALIGN
@@ -92,6 +108,8 @@ def _layout_kernel(
         block_offsets = grid_base + programs
         tl.store(block_offsets, 0)
         tl.store(block_offsets + 1 + b, ends, mask=real)
+        if FIRST_COL:
+            tl.store(block_offsets + batch + 1 + b, keys, mask=real)
 
 
 def layout(
@@ -102,13 +120,17 @@ def layout(
     block_m: int,
     align: int,
     from_mask: bool = False,
+    first_column: bool = False,
 ) -> None:
     """Write the layout of the lengths in `args` into `meta` (see the module docstring). With `from_mask`
-    the lengths are counted from the mask `args` points at instead (kernels/masked_pack.py's args)."""
+    the lengths are counted from the mask `args` points at instead (kernels/masked_pack.py's args), and
+    with `first_column` a left-padded row's column 0 is one more row, query-only."""
     if from_mask and align != 1:
         raise ValueError(f"a layout counted from a mask packs components back to back (align 1), got align {align}")
-    if meta.numel() != meta_size(batch, programs) or meta.dtype != torch.int32:
-        size = meta_size(batch, programs)
+    if first_column and not from_mask:
+        raise ValueError("first_column needs a layout counted from a mask (from_mask=True)")
+    if meta.numel() != meta_size(batch, programs, first_column) or meta.dtype != torch.int32:
+        size = meta_size(batch, programs, first_column)
         raise ValueError(f"meta must be int32 of {size} elements, got {meta.dtype} of {meta.numel()}")
     need = MASK_ARGS if from_mask else ARGS_HEAD + batch
     if args.numel() < need or args.dtype != torch.int64:
@@ -118,7 +140,7 @@ def layout(
     _layout_kernel[(triton.cdiv(programs, block_p),)](
         args, meta, batch, programs,
         BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p,
-        FROM_MASK=from_mask, BLOCK_L=max(16, 4096 // block_b), num_warps=4,
+        FROM_MASK=from_mask, BLOCK_L=max(16, 4096 // block_b), FIRST_COL=first_column, num_warps=4,
     )  # fmt: skip
 
 

@@ -6,6 +6,12 @@ values rows offsets[b], offsets[b] + 1, ..., where the graph's layout kernel cou
 same mask (kernels/graph_layout.py). Ranks come from prefix sums of the mask inside each program, so
 left padding, holes and all-pad rows are all fine.
 
+first_column (a model whose pooler reads column 0 of its padded output, as BERT's does): where column 0 of a
+row with real tokens is a pad (left padding), the original computes that pad's output too, attending to the
+row's real tokens, and pools it. The layout then gives the row one more row (kernels/graph_layout.py,
+first_column), after its real tokens: pack puts x[b, 0] there, the attention treats it as a query only
+(kernels/ragged_attention.py, key_lengths), and unpack writes its output back to out[b, 0].
+
 Everything the kernels touch on the padded side comes through the per-batch args (int64, on the device;
 kernels/ragged_pack.py's ARG_* layout, plus ARG_MASK / ARG_MASK_SB / ARG_MASK_SL: the (B, L) bool mask,
 True = pad, and its strides), so a CUDA graph replays them on tensors it was not captured with.
@@ -17,6 +23,8 @@ Shape contracts
     values:   (batch * width, D), stride 1 on D: room for any mask of the grid's shape
     pack:     values[offsets[b] + r] = x[b, t] for the r-th real t of row b; other rows untouched
     unpack:   out[b, t] = values[offsets[b] + r] for the r-th real t, 0 at pads; out[b, L:] untouched
+    first_column: also values[offsets[b + 1] - 1] <-> column 0 of a row whose column 0 is a pad and whose
+              component is not empty (offsets back to back, as a mask's layout lays them)
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ def _masked_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
+    FIRST_COL: tl.constexpr,
 ):
     b = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
@@ -69,6 +78,11 @@ def _masked_kernel(
         real = (pad == 0) & inside
         rank = _real_before(mask_row, stride_ml, t0, BLOCK_T) + tl.cumsum(real.to(tl.int32), 0) - 1
         start = tl.load(offsets_ptr + b).to(tl.int64)
+        if FIRST_COL:  # a left-padded row's column 0 is its component's last row (query only)
+            n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
+            first = (t == 0) & (pad != 0) & (t * 0 < n)
+            rank = tl.where(first, n - 1, rank)
+            real = real | first
         value_rows = values_ptr + (start + rank)[:, None] * stride_vt
         if UNPACK:
             padded = tl.load(args_ptr + 1).to(tl.pointer_type(values_ptr.dtype.element_ty))  # ARG_DST
@@ -86,48 +100,57 @@ def _masked_kernel(
                 tl.store(value_rows + cols, v, mask=real[:, None] & (cols < D))
 
 
-def _launch(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, batch: int, width: int, unpack: bool):
+def _launch(args, values, offsets, batch: int, width: int, unpack: bool, first_column: bool):
     if args.numel() < MASK_ARGS or args.dtype != torch.int64:
         raise ValueError(f"args must be int64 of at least {MASK_ARGS} elements")
     if values.shape[0] < batch * width or values.stride(1) != 1:
         raise ValueError(f"values {tuple(values.shape)} cannot hold {batch} rows of up to {width} tokens")
-    if offsets.numel() < batch or offsets.dtype != torch.int32 or offsets.device != values.device:
-        raise ValueError(f"offsets must be int32 of at least {batch} elements on {values.device}")
+    need = batch + 1 if first_column else batch  # first_column reads where each row's component ends
+    if offsets.numel() < need or offsets.dtype != torch.int32 or offsets.device != values.device:
+        raise ValueError(f"offsets must be int32 of at least {need} elements on {values.device}")
     D = values.shape[1]
     if batch == 0 or width == 0 or D == 0:
         return
     _masked_kernel[(batch, triton.cdiv(width, BLOCK_T))](
         args, values, offsets, D, values.stride(0),
-        BLOCK_T=BLOCK_T, BLOCK_D=min(next_pow2(D), _MAX_BLOCK_D), UNPACK=unpack, num_warps=4,
+        BLOCK_T=BLOCK_T, BLOCK_D=min(next_pow2(D), _MAX_BLOCK_D), UNPACK=unpack, FIRST_COL=first_column, num_warps=4,
     )  # fmt: skip
 
 
-def pack_masked(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, batch: int, width: int):
+def pack_masked(args, values, offsets, batch: int, width: int, first_column: bool = False):
     """Gather the real tokens of the padded input `args` points at into `values` (module docstring); the
     grid covers `batch` rows of up to `width` tokens."""
-    _launch(args, values, offsets, batch, width, unpack=False)
+    _launch(args, values, offsets, batch, width, unpack=False, first_column=first_column)
     return values
 
 
-def unpack_masked(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, batch: int, width: int) -> None:
+def unpack_masked(args, values, offsets, batch: int, width: int, first_column: bool = False) -> None:
     """Scatter `values` into the padded output `args` points at, zeros at pads (module docstring)."""
-    _launch(args, values, offsets, batch, width, unpack=True)
+    _launch(args, values, offsets, batch, width, unpack=True, first_column=first_column)
 
 
-def pack_masked_ref(x: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, offsets) -> torch.Tensor:
+def _rows_of(mask_row: torch.Tensor, first_column: bool) -> torch.Tensor:
+    """The columns a row packs, in values order: its real ones, then column 0 where first_column adds it."""
+    real = (~mask_row).nonzero().flatten()
+    if first_column and real.numel() and bool(mask_row[0]):
+        real = torch.cat([real, real.new_zeros(1)])
+    return real
+
+
+def pack_masked_ref(x: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, offsets, first_column=False):
     """PyTorch reference of `pack_masked`: x (B, L, D), mask (B, L) True = pad; writes into `values`."""
     for b in range(x.shape[0]):
-        real = (~mask[b]).nonzero().flatten()
+        cols = _rows_of(mask[b], first_column)
         start = int(offsets[b])
-        values[start : start + real.numel()] = x[b, real]
+        values[start : start + cols.numel()] = x[b, cols]
     return values
 
 
-def unpack_masked_ref(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, offsets) -> torch.Tensor:
+def unpack_masked_ref(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, offsets, first_column=False):
     """PyTorch reference of `unpack_masked` into `out` (B, L, D)."""
     out.zero_()
     for b in range(out.shape[0]):
-        real = (~mask[b]).nonzero().flatten()
+        cols = _rows_of(mask[b], first_column)
         start = int(offsets[b])
-        out[b, real] = values[start : start + real.numel()].to(out.dtype)
+        out[b, cols] = values[start : start + cols.numel()].to(out.dtype)
     return out

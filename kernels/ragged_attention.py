@@ -16,13 +16,19 @@ Key tiles wholly outside a block's window are never visited (a block of BLOCK_M 
 `window_from_hf` turns a transformers `config.sliding_window` into (left, right); see its docstring.
 GQA and windows are constexpr features: with Hkv = H and no window, the plain and causal kernels' PTX
 instructions equal those of the kernel before them (benchmarks/attention_ptx.py --against 0e5d9e1, sm_90a,
-Triton 3.9, 2026-11-24); only two unused int arguments are added.
+Triton 3.9, 2026-11-24); only two unused int arguments are added. Query-only rows (`key_lengths`) are a
+constexpr feature too: off, the kernel takes one more pointer and never reads it.
 
 Shape contracts
     q:              (T, H, Dh) values of one layout; any strides on T and H, stride 1 on Dh
     k, v:           (T, Hkv, Dh), Hkv dividing H; same strides rule
     offsets:        (B + 1,), int32 — start of each component in values
     lengths:        (B,), int32 — real rows of each component (rows past it are never read)
+    key_lengths:    optional (B,), int32 <= lengths — keys of each component: its first key_lengths rows
+                    are keys and queries, the rest queries only (they see the keys, no key sees them).
+                    A first-token pooler's column 0 of a left-padded row, a pad the original computes
+                    and then pools (runtime/graphs.py, io="mask"). Not causal, no window; at least
+                    1 wherever lengths is (a query with no key has no softmax).
     grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M), or more
                     with entries -1 for spare programs (a grid sized for a CUDA-graph bucket)
     block_offsets:  (B + 1,), int32 — first query block of each component (prefix sum of blocks)
@@ -114,12 +120,12 @@ def _attn_tile(
 
 @triton.jit
 def _ragged_attn_fwd_kernel(
-    Q, K, V, Out, offsets, lengths, grid_mapping, block_offsets,
+    Q, K, V, Out, offsets, lengths, grid_mapping, block_offsets, key_lengths,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, left, right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr,
+    GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr, KEYS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -129,6 +135,10 @@ def _ragged_attn_fwd_kernel(
         start = tl.load(offsets + comp).to(tl.int64)
         length = tl.load(lengths + comp)
         extent = tl.load(offsets + comp + 1) - tl.load(offsets + comp)
+        if KEYS:  # the component's rows past its keys are queries only (neither causal nor windowed)
+            keys = tl.load(key_lengths + comp)
+        else:
+            keys = length
 
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -169,16 +179,16 @@ def _ragged_attn_fwd_kernel(
                 n_full = (block * BLOCK_M) // BLOCK_N * BLOCK_N
                 n_end = tl.minimum(length, (block + 1) * BLOCK_M)
             else:
-                n_full = length // BLOCK_N * BLOCK_N
-                n_end = length
+                n_full = keys // BLOCK_N * BLOCK_N
+                n_end = keys
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-            offs_m, offs_n, offs_d, d_mask, n_full_lo, n_full, length, left, right,
+            offs_m, offs_n, offs_d, d_mask, n_full_lo, n_full, keys, left, right,
             False, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-            offs_m, offs_n, offs_d, d_mask, n_full, n_end, length, left, right,
+            offs_m, offs_n, offs_d, d_mask, n_full, n_end, keys, left, right,
             True, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         if WINDOW:  # rows past the length may have seen no key at all (l_i = 0); real rows see their own key
@@ -351,31 +361,35 @@ def ragged_attention(
     out: torch.Tensor | None = None,
     wrap=None,
     window: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the kernel; `grid_mapping` / `block_offsets` must be the prelude for `config.block_m`.
 
     q (T, H, Dh), k and v (T, Hkv, Dh) with Hkv dividing H (grouped-query attention, inferred from k).
     `window` (left, right): row i of a component sees keys j with i - left <= j <= i + right, -1 unbounded;
-    with `causal` also j <= i. Returns `out` (T, H, Dh) (see the shape contract for gap rows). `wrap` is
-    `torch.library.wrap_triton` when the registered op calls this (torch.compile), else None."""
+    with `causal` also j <= i. `key_lengths` (B,) int32: each component's keys, its first rows (the rest
+    are queries only; neither causal nor windowed). Returns `out` (T, H, Dh) (see the shape contract for
+    gap rows). `wrap` is `torch.library.wrap_triton` when the registered op calls this (torch.compile)."""
     check_inputs(q, k, v)
     T, H, Dh = q.shape
     if out is None:
         out = torch.empty((T, H, Dh), dtype=q.dtype, device=q.device)
     programs = grid_mapping.shape[0]
     kernel_window = _kernel_window(window, causal)
+    if key_lengths is not None and (causal or kernel_window is not None):
+        raise ValueError("key_lengths (query-only rows) needs attention that is neither causal nor windowed")
     if programs == 0 or H == 0:
         return out
     left, right = kernel_window or (0, 0)
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     precision = "ieee" if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
     (wrap or _identity)(_ragged_attn_fwd_kernel)[(programs, H)](
-        q, k, v, out, offsets, lengths, grid_mapping, block_offsets,
+        q, k, v, out, offsets, lengths, grid_mapping, block_offsets, lengths if key_lengths is None else key_lengths,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale * _LOG2E, left, right,
         HEAD_DIM=Dh, BLOCK_D=next_pow2(Dh), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=bool(causal), PRECISION=precision, UPCAST=dot_upcast(str(q.dtype)[6:]),
-        GQA_GROUP=H // k.shape[1], WINDOW=kernel_window is not None,
+        GQA_GROUP=H // k.shape[1], WINDOW=kernel_window is not None, KEYS=key_lengths is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -434,13 +448,15 @@ def ragged_attention_ref(
     scale: float | None = None,
     upcast: bool = True,
     window: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    key_lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """PyTorch reference with host offsets/lengths: softmax(q k^T * scale) v per component and head, keys
     limited by `window_mask(n, window, causal)`; k and v may have fewer heads (GQA, as the kernel).
 
     upcast=True computes in float32 (float64 stays float64) and returns the input dtype; upcast=False
     computes in the input dtype throughout (PyTorch's same-dtype error, the yardstick of the tests).
-    Rows outside components are zero.
+    Rows outside components are zero. `key_lengths`: each component's keys, its first rows (the rest are
+    queries only), as the kernel's.
     """
     T, H, Dh = q.shape
     group = H // k.shape[1] if k.shape[1] else 1
@@ -449,11 +465,15 @@ def ragged_attention_ref(
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         compute = torch.float32
     out = torch.zeros((T, H, Dh), dtype=q.dtype, device=q.device)
-    for start, n in zip(offsets, lengths):
-        if n == 0:
+    if key_lengths is not None and (causal or _kernel_window(window, causal) is not None):
+        raise ValueError("key_lengths (query-only rows) needs attention that is neither causal nor windowed")
+    keys_of = [int(n) for n in (lengths if key_lengths is None else key_lengths)]
+    for start, n, nk in zip(offsets, lengths, keys_of):
+        start, n = int(start), int(n)
+        if n == 0 or nk == 0:
             continue
         qi = q[start : start + n].transpose(0, 1).to(compute)  # (H, n, Dh)
-        ki, vi = (t[start : start + n].repeat_interleave(group, 1).transpose(0, 1).to(compute) for t in (k, v))
+        ki, vi = (t[start : start + nk].repeat_interleave(group, 1).transpose(0, 1).to(compute) for t in (k, v))
         scores = (qi @ ki.transpose(1, 2)) * scale
         keep = window_mask(n, window, causal, q.device)
         if not keep.all():

@@ -169,12 +169,16 @@ def _awkward_mask(B, L, device, seed=0):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize(
-    "B,L,batch,width,batch_first", [(5, 37, 8, 48, True), (4, 70, 4, 80, False), (6, 16, 6, 16, True)]
-)
-def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, width, batch_first):
+    "B,L,batch,width,batch_first,first",
+    [(5, 37, 8, 48, True, False), (4, 70, 4, 80, False, False), (6, 16, 6, 16, True, False),
+     (5, 37, 8, 48, True, True), (6, 16, 6, 16, False, True)],
+)  # fmt: skip
+def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, width, batch_first, first):
     """The ragged graph fed a mask: its layout counts each row's real tokens and lays the rows back to
     back, pack fills them in order, unpack puts them back and zeros the pads, whatever the pattern; the
-    grid's spare rows (batch > B) are empty, and nothing past the batch's tokens is written."""
+    grid's spare rows (batch > B) are empty, and nothing past the batch's tokens is written. With
+    first_column, a row whose column 0 is a pad and which has real tokens gets that column as one more
+    row after them (a query-only row), and unpack writes it back to column 0; all-pad rows get none."""
     from autoragged.kernels import masked_pack
 
     D = 24
@@ -191,19 +195,26 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
     )  # fmt: skip
     assert args.numel() == masked_pack.MASK_ARGS
     programs = batch * width // 16 + batch
-    meta = torch.full((meta_size(batch, programs),), 12345, dtype=torch.int32, device=device)
-    graph_layout.layout(args, meta, batch, programs, 16, 1, from_mask=True)
-    lens = (~mask).sum(1).tolist()
+    meta = torch.full((meta_size(batch, programs, first),), 12345, dtype=torch.int32, device=device)
+    graph_layout.layout(args, meta, batch, programs, 16, 1, from_mask=True, first_column=first)
+    keys = (~mask).sum(1).tolist()
+    lens = [n + int(first and n > 0 and bool(mask[b, 0])) for b, n in enumerate(keys)]
+    if first:  # the awkward mask has left-padded rows: some rows gain a query-only row
+        assert lens != keys
+        assert graph_layout.key_lengths(meta, batch, programs).cpu().tolist() == keys + [0] * (batch - B)
     want_meta, total, _ = _host_meta(lens, 1, 16, batch, programs)
-    assert meta.cpu().tolist() == want_meta.tolist()  # offsets (back to back), lengths, grid, block offsets
+    assert meta[: meta_size(batch, programs)].cpu().tolist() == want_meta.tolist()  # offsets, lengths, grid, blocks
     offsets = meta[: batch + 1]
     values = torch.full((batch * width, D), float("nan"), dtype=torch.float16, device=device)
-    masked_pack.pack_masked(args, values, offsets, batch, width)
-    want = masked_pack.pack_masked_ref(x, mask, torch.full_like(values, float("nan")), want_meta[:B])
+    masked_pack.pack_masked(args, values, offsets, batch, width, first)
+    want = masked_pack.pack_masked_ref(x, mask, torch.full_like(values, float("nan")), want_meta[:B], first)
     assert torch.equal(values[:total], want[:total])
     assert values[total:].isnan().all()  # nothing past the batch's tokens
-    masked_pack.unpack_masked(args, values, offsets, batch, width)
-    assert torch.equal(out, masked_pack.unpack_masked_ref(values, mask, torch.empty_like(x), want_meta[:B]))
+    masked_pack.unpack_masked(args, values, offsets, batch, width, first)
+    want_out = masked_pack.unpack_masked_ref(values, mask, torch.empty_like(x), want_meta[:B], first)
+    assert torch.equal(out, want_out)
+    left = [b for b in range(B) if bool(mask[b, 0]) and keys[b] > 0]
+    assert left and (out[left, 0] != 0).any() == first  # column 0 of left-padded rows: written back, or zeros
     assert (whole[:, L:] == 7).all()
 
 
@@ -212,6 +223,10 @@ def test_a_layout_from_a_mask_is_packed():
     meta = torch.zeros(meta_size(2, 4), dtype=torch.int32)
     with pytest.raises(ValueError, match="back to back"):
         graph_layout.layout(args, meta, 2, 4, 16, 8, from_mask=True)
+    with pytest.raises(ValueError, match="from_mask"):
+        graph_layout.layout(args, meta, 2, 4, 16, 1, first_column=True)
+    with pytest.raises(ValueError, match="meta must be int32 of 14"):  # room for the key lengths
+        graph_layout.layout(args, meta, 2, 4, 16, 1, from_mask=True, first_column=True)
 
 
 class _FakeGraph:

@@ -360,3 +360,57 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
     autoragged.flush()
     text = report.render_text(report.summary(db))
     assert "hf-bert:2x64/2h/ff128:gelu:post:float32" in text and "ragged" in text
+
+
+@pytest.mark.parametrize("family", ["bert", "albert", "roberta"])
+def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family):
+    """The ragged graph fed a mask (runtime/graphs.py, io="mask") never reads lengths, so it cannot send a
+    left-padded batch of a first-token-pooler model to the padded arm as the eager arms do. It computes
+    column 0 of such a row (a pad, which the original computes and its pooler reads) as a query-only row:
+    here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed,
+    one-token and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the
+    original's, and the pads it reports the mask's."""
+    from autoragged._planner import graph_config
+    from autoragged.kernels import graph_layout
+    from autoragged.runtime.graphs import _StaticLayout, mask_pass
+
+    model = autoragged.wrap(model_of(family), db=False, policy="ragged")
+    body = model._autoragged.ready(model).body
+    assert body.mask_graph and body.first_column
+    L = 9
+    keep = torch.zeros(5, L, dtype=torch.bool)
+    keep[0, 3:] = True  # left padded
+    keep[1, :6] = True  # right padded
+    keep[2, [2, 3, 5, 8]] = True  # holes, column 0 a pad
+    keep[3, L - 1] = True  # one token, left padded
+    ids = torch.randint(4, 100, (5, L), generator=torch.Generator().manual_seed(3)).masked_fill(~keep, 1)
+    kwargs = {"input_ids": ids, "attention_mask": keep.long()}  # row 4: all pads
+    with torch.no_grad():
+        x = body.embed(model, kwargs)
+        B, D = x.shape[0], x.shape[2]
+        batch, width = B + 1, L + 3  # a spare row and spare columns, as a bucket has
+        config = graph_config(body.head_dim, width, "triton")
+        programs = batch * width // config.block_m + batch
+        meta = torch.zeros(graph_layout.meta_size(batch, programs, True), dtype=torch.int32)
+        layout = _StaticLayout(meta, batch, programs, config.block_m, 1, width)
+        layout.live = layout.offsets[batch:]
+        layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
+        values = torch.zeros(batch * width, D, dtype=x.dtype)
+        out = torch.full_like(x, float("nan"))
+        mask = ~keep
+        args = torch.tensor([x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2], B, L,
+                             mask.data_ptr(), *mask.stride()], dtype=torch.int64)  # fmt: skip
+        pads = mask_pass(body.values, args, meta, values, layout, batch, programs, config, False, width)
+        pooled = body.family.pool(model, out)
+        plain = _unwrapped(model)
+        want, want64 = plain(**kwargs), copy.deepcopy(plain).double()(**kwargs)
+    assert pads[:B].tolist() == [width - n for n in keep.sum(1).tolist()]
+    rows = torch.tensor([True, True, True, True, False])  # an all-pad row has no real token to pool
+    field = "last_hidden_state"
+    assert_within_torch_error(out[keep], want.last_hidden_state[keep], want64.last_hidden_state[keep], field)
+    left = torch.tensor([0, 2, 3])
+    ours0, want0, want0_64 = (t[left, 0] for t in (out, want.last_hidden_state, want64.last_hidden_state))
+    assert_within_torch_error(ours0, want0, want0_64, "column 0 of left-padded rows")
+    p, p64 = want.pooler_output, want64.pooler_output
+    assert_within_torch_error(pooled[rows], p[rows], p64[rows], "pooler_output")
+    assert (out[1, 6:] == 0).all() and (out[4] == 0).all()  # pads are zeros but a left-padded row's column 0

@@ -68,22 +68,24 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
         assert (out.last_hidden_state[~keep] == 0).all()
 
 
-def test_the_mask_graph_runs_any_padding_and_never_syncs():
+@pytest.mark.parametrize("pooler", [False, True])
+def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler):
     """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
-    same result as the original on real tokens, left padding included (a model without a first-token pooler:
-    one with it reads its lengths, `HFEncoderBody.mask_graph`)."""
+    same result as the original on real tokens, left padding included. With BERT's first-token pooler, a
+    left-padded row's column 0 (a pad the original computes and pools) is a query-only row in the graph
+    (kernels/masked_pack.py): pooler_output and that column must be the original's too."""
     from autoragged.runtime import core
 
-    m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=False), db=False, sample_every=0)
-    assert not autoragged.wrap(model("bert-base", torch.float16, layers=1), db=False)._autoragged.body.mask_graph
+    m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=pooler), db=False, sample_every=0)
     base = m
     rt = base._autoragged
+    assert rt.body.mask_graph and rt.body.first_column == pooler
     rt.graph_min_seen = 1
     arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
     kwargs, keep = batch()
     B, L = keep.shape
     rt.mask_shapes[rt._shape_key(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
-    plain = model("bert-base", torch.float16, layers=4, pooler=False)
+    plain = model("bert-base", torch.float16, layers=4, pooler=pooler)
     left = {"input_ids": kwargs["input_ids"].flip(1), "attention_mask": kwargs["attention_mask"].flip(1)}
     with torch.inference_mode():
         for call, k in ((kwargs, keep), (left, keep.flip(1))):
@@ -97,6 +99,10 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs():
             want = plain(**call)
             torch.testing.assert_close(out.last_hidden_state[k].float(), want.last_hidden_state[k].float(),
                                        rtol=2e-2, atol=2e-2)  # fmt: skip
+            if pooler:
+                torch.testing.assert_close(out.pooler_output.float(), want.pooler_output.float(), rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(out.last_hidden_state[:, 0].float(), want.last_hidden_state[:, 0].float(),
+                                           rtol=2e-2, atol=2e-2)  # fmt: skip
     assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
 
 

@@ -202,6 +202,32 @@ def test_attention_window_skips_key_tiles_outside_it(device, window, causal):
     assert torch.isnan(out[:16]).all(), "the poison must reach rows whose windows hold it (else the test is void)"
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("config", ATTN_CONFIGS[:2], ids=lambda c: c.short())
+def test_attention_query_only_rows_see_the_keys_and_are_never_keys(device, config):
+    """key_lengths: a component's rows past its keys are queries only (a first-token pooler's column 0 of a
+    left-padded row, kernels/masked_pack.py). Their k and v are NaN, so a kernel that read them as keys would
+    turn every row of the component NaN; every row, query-only ones included, must match the reference."""
+    lengths, keys = [5, 1, 48, 17, 16, 33], [4, 1, 47, 16, 16, 32]
+    rt = _ragged(lengths, (6, 64), torch.float16, device)
+    q, k, v = (t.contiguous() for t in rt.values.split([2, 2, 2], dim=1))
+    for start, n, nk in zip(rt.layout.offsets, lengths, keys):
+        k[start + nk : start + n] = float("nan")
+        v[start + nk : start + n] = float("nan")
+    offsets, dev_lengths = rt.layout.device_meta(rt.device)
+    gm, bo = rt.prelude(config.block_m)
+    key_lengths = torch.tensor(keys, dtype=torch.int32, device=device)
+    out = k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, config=config, key_lengths=key_lengths)
+    real = _real_rows(rt)
+    args = dict(key_lengths=keys)
+    ref64 = k_attn.ragged_attention_ref(q.double(), k.double(), v.double(), rt.layout.offsets, lengths, **args)
+    same = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths, upcast=False, **args)
+    assert torch.isfinite(out[real]).all(), "a query-only row was read as a key"
+    assert_within_torch_error(out[real], same[real], ref64[real], f"query-only rows {config.short()}")
+    with pytest.raises(ValueError, match="neither causal nor windowed"):
+        k_attn.ragged_attention(q, k, v, offsets, dev_lengths, gm, bo, causal=True, key_lengths=key_lengths)
+
+
 def test_attention_supports_names_what_it_cannot_do():
     assert k_attn.supports(64) is None
     assert k_attn.supports(256, heads=28, kv_heads=4, window=(4095, 0), dtype=torch.bfloat16) is None

@@ -25,6 +25,8 @@ class Body:
     has_dropout:    training mode then runs padded
     fused:          the layers run as fused-encoder specs (so Triton linears are an option for graphs)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
+    first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
+                    fed a mask computes a left-padded row's column 0 as a query-only row (kernels/masked_pack.py)
     padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
     memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
     """
@@ -37,6 +39,7 @@ class Body:
     has_dropout = False
     fused = False
     mask_graph = False
+    first_column = False
     padded_forward = None
     memo: tuple = ()
 

@@ -10,6 +10,8 @@ The ragged arm unpads once and repads once:
   RoBERTa's `padding_idx + 1` positions come out exactly as the original computes them, for any padding side;
 - the layers on the packed real tokens;
 - last_hidden_state repadded (zeros at pads), pooler_output recomputed from it, every hidden state repadded.
+  A first-token pooler reads column 0, a pad in a left-padded row: the eager arms and the graphs fed lengths
+  run such a batch padded; the mask-only graph computes that column as a query-only row (kernels/masked_pack.py).
 
 Two ways to run the layers:
 - fused (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ALBERT, DistilBERT): each layer as a spec of the
@@ -116,6 +118,12 @@ def _bert_embed(base, kw):
     return project(x) if project is not None else x
 
 
+def _albert_embed(base, kw):
+    """ALBERT's embeddings mapped to the hidden size, as its encoder's first step: the padded input every arm
+    packs has the layers' width (a CUDA graph's values are d_model wide)."""
+    return base.encoder.embedding_hidden_mapping_in(_bert_embed(base, kw))
+
+
 def _distilbert_embed(base, kw):
     return base.embeddings(kw.get("input_ids"), kw.get("inputs_embeds"), kw.get("position_ids"))
 
@@ -141,7 +149,6 @@ class Family:
     layer_list: object  # base -> the nn.ModuleList of its layers (structure checks)
     output: type  # the ModelOutput class the base model returns
     pool: object = None  # (base, padded last hidden state) -> pooler_output, or None
-    first: object = None  # base -> a linear applied before the first layer (ALBERT's embedding mapping)
     unsupported: str | None = None  # why the ragged arm never runs this family
 
 
@@ -162,12 +169,11 @@ FAMILIES: dict[str, Family] = {
         _bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPastAndCrossAttentions
     ),  # fmt: skip
     "albert": Family(
-        _bert_embed,
+        _albert_embed,
         _albert_layers,
         lambda b: b.encoder.albert_layer_groups,
         outputs.BaseModelOutputWithPooling,
         _albert_pool,
-        first=lambda b: b.encoder.embedding_hidden_mapping_in,
     ),  # fmt: skip
     "distilbert": Family(_distilbert_embed, _distilbert_layers, lambda b: b.transformer.layer, outputs.BaseModelOutput),
     "modernbert": Family(_modernbert_embed, None, lambda b: b.layers, outputs.BaseModelOutput),
@@ -190,8 +196,10 @@ class HFEncoderBody(_hf.HFBody):
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
         # the mask-only graph never reads lengths, so it cannot tell a left-padded row, whose column 0 (what a
-        # first-token pooler reads) is a pad in the original: models with such a pooler read their lengths
-        self.mask_graph = self.fused and not self.pools_first_token
+        # first-token pooler reads) is a pad the original computes: with such a pooler the graph computes that
+        # column as a query-only row of its own (kernels/masked_pack.py, first_column), as the original does
+        self.mask_graph = self.fused
+        self.first_column = self.pools_first_token
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", 1)
         d_model = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
         self.d_model, self.head_dim = d_model, d_model // max(heads, 1)
@@ -225,9 +233,6 @@ class HFEncoderBody(_hf.HFBody):
 
     def values(self, x, layout, config, causal, hidden=None):
         family = self.family
-        if family.first is not None:
-            first = family.first(self.module)
-            x = F.linear(x, first.weight, first.bias)
         if hidden is not None:
             hidden.append(x)
         if family.layers is not None:

@@ -92,6 +92,8 @@ class _StaticLayout:
         self.offsets, self.lengths, self.grid_mapping, self.block_offsets = graph_layout.sections(meta, batch, programs)
         self.block_m, self.align, self.max_len = block_m, align, max_len
         self.live = self.tile_rows = None
+        # io="mask" for a first-token pooler: each row's keys (its rows past them are queries only)
+        self.key_lengths = None
 
     def device_meta(self, device):
         return self.offsets, self.lengths
@@ -202,6 +204,19 @@ def event_pending(event: torch.cuda.Event) -> bool:
 _data_ptr = torch.Tensor.data_ptr
 
 
+def mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width) -> torch.Tensor:
+    """What a ragged graph fed a mask runs (io="mask"), on the batch `args` points at (kernels/masked_pack.py):
+    the layout counted from the mask, pack, the layers (`values_fn`, a body's `values`), unpack. A layout with
+    `key_lengths` (a body's `first_column`) adds a left-padded row's column 0 as a query-only row. Returns
+    each row's pads over `width` columns (for the decision record)."""
+    first = layout.key_lengths is not None
+    graph_layout.layout(args, meta, batch, programs, config.block_m, 1, from_mask=True, first_column=first)
+    masked_pack.pack_masked(args, values, layout.offsets, batch, width, first)
+    out = values_fn(values, layout, config, causal)
+    masked_pack.unpack_masked(args, out, layout.offsets, batch, width, first)
+    return width - (layout.key_lengths if first else layout.lengths)
+
+
 class _RaggedGraph:
     """io="padded": the layout, pack, layers and unpack in the graph; pack reads the caller's padded input
     and unpack writes a fresh output, both through the pointers of the per-batch args (no copy in or out).
@@ -222,7 +237,11 @@ class _RaggedGraph:
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
         values = self.values = torch.zeros(rows, D, dtype=dtype, device=device)
-        meta = self.meta = torch.zeros(graph_layout.meta_size(batch, programs), dtype=torch.int32, device=device)
+        # io="mask" for a body whose pooler reads column 0 (`first_column`): a left-padded row's column 0 is a
+        # query-only row of its own (kernels/masked_pack.py), so the pooler reads what the original pools
+        first = io == "mask" and body.first_column
+        size = graph_layout.meta_size(batch, programs, first)
+        meta = self.meta = torch.zeros(size, dtype=torch.int32, device=device)
         # The warm-up run fetches a posted batch of no components (all zeros), so nothing is read or written
         # through its pointers; each replay fetches its own batch first (kernels/graph_args.py).
         n_args = masked_pack.MASK_ARGS if io == "mask" else ragged_pack.ARGS_HEAD + batch
@@ -231,6 +250,8 @@ class _RaggedGraph:
         layout = self.layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, max_len)
         layout.live = layout.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
         layout.tile_rows = tile_rows
+        if first:
+            layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
         values_fn, block_m, align = body.values, config.block_m, config.align
 
         if io == "values":
@@ -243,13 +264,10 @@ class _RaggedGraph:
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width = max_len
 
+
             def run():
                 mailbox.fetch()
-                graph_layout.layout(args, meta, batch, programs, block_m, 1, from_mask=True)
-                masked_pack.pack_masked(args, values, layout.offsets, batch, width)
-                out = values_fn(values, layout, config, causal)
-                masked_pack.unpack_masked(args, out, layout.offsets, batch, width)
-                return width - layout.lengths  # each row's pads over `width` columns, for the decision record
+                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
 
         else:
             extent = -(-max_len // align) * align
