@@ -211,7 +211,7 @@ def encode_bench(args, device) -> dict:
             t0 = time.perf_counter()
             features = [st.tokenize([sentences[j] for j in order[i : i + B]]) for i in range(0, len(order), B)]
             tokenize_s = time.perf_counter() - t0
-            features = [{k: v.to(device) for k, v in f.items()} for f in features]
+            features = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
             forward_s = []
             with torch.inference_mode():
                 for _ in range(2):  # cold, then warm

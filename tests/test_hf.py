@@ -370,8 +370,9 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed,
     one-token and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the
     original's, and the pads it reports the mask's."""
-    from autoragged._planner import graph_config
     from autoragged.kernels import graph_layout
+
+    from autoragged._planner import graph_config
     from autoragged.runtime.graphs import _StaticLayout, mask_pass
 
     model = autoragged.wrap(model_of(family), db=False, policy="ragged")

@@ -264,7 +264,6 @@ class _RaggedGraph:
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width = max_len
 
-
             def run():
                 mailbox.fetch()
                 return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
