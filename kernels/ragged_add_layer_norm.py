@@ -52,7 +52,8 @@ def _add_layer_norm_rows(
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# M (rows) changes with every batch: not specialised (one compiled kernel for every row count)
+@triton.jit(do_not_specialize=["M"])
 def _add_layer_norm_kernel(
     X, R, Wt, Bs, Y, S, Live, M, N, eps,
     stride_x, stride_r, stride_y, stride_s,

@@ -112,7 +112,9 @@ def _grouped(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (tile % group) % group_rows, (tile % group) // group_rows
 
 
-@triton.jit
+# M changes with every batch: Triton would compile a kernel per value class (1, multiple of 16, other),
+# inside a stream of new batches; it only bounds masks and the grid, so it is not specialised
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     X, W, Bias, Y, Live, M, N, K,
     stride_xm, stride_wn, stride_ym,
@@ -136,7 +138,7 @@ def _linear_kernel(
                      HAS_BIAS, ACTIVATION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # as _linear_kernel
 def _linear_tma_kernel(
     x_desc, w_desc, y_desc, Bias, Live, M, N, K,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,

@@ -77,7 +77,8 @@ def _pack_kernel(
             tl.store(dst_rows + cols, x, mask=store_rows & (cols < D))
 
 
-@triton.jit
+# L_out changes with every batch: not specialised (one compiled kernel for every padded length)
+@triton.jit(do_not_specialize=["L_out"])
 def _unpack_kernel(
     src_ptr,
     dst_ptr,

@@ -71,3 +71,36 @@ def test_registered_ops_compile():
     ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, lengths).reshape(-1, 256)
     ref = torch.nn.functional.layer_norm(torch.relu(ref @ w.T) + ref, (256,))
     torch.testing.assert_close(compiled, ref, rtol=2e-2, atol=2e-2)
+
+
+def _compiled(*fns) -> int:
+    """Kernels Triton has compiled (or loaded from its cache) for the JIT functions `fns`, in this process."""
+    total = 0
+    for fn in fns:
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps no device_caches on its JIT functions")
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+def test_a_new_row_count_compiles_no_new_kernel():
+    """Row counts and padded lengths change with every batch; the kernels that take them are not specialised
+    on them (Triton compiles a kernel per value class: 1, a multiple of 16, any other), so rows 32, 17, 1 and
+    1000 share the compiled kernels of the first call: a compile inside a stream costs 0.3-1 s."""
+    from autoragged.kernels import ragged_add_layer_norm as k_ln
+    from autoragged.kernels import ragged_linear as k_lin
+    from autoragged.kernels import ragged_pack as k_pack
+
+    fns = (k_lin._linear_kernel, k_lin._linear_tma_kernel, k_ln._add_layer_norm_kernel, k_pack._unpack_kernel)
+    w = torch.randn(64, 128, device="cuda", dtype=torch.float16)
+    config = k_lin.default_config(64, 128, 64)
+    seen = None
+    for rows in (32, 17, 1, 1000):
+        x = torch.randn(rows, 128, device="cuda", dtype=torch.float16)
+        y = ops.linear_values(x, w, config=config)
+        ops.add_layer_norm_values(y, y, None, None, 1e-5)
+        RaggedTensor.from_padded(torch.randn(2, rows, 64, device="cuda"), [rows, 1]).to_padded()
+        torch.cuda.synchronize()
+        seen = seen if seen is not None else _compiled(*fns)
+        assert _compiled(*fns) == seen, f"rows={rows} compiled a new kernel"
