@@ -402,12 +402,15 @@ class Runtime:
         return fallback
 
     def _read_known(self, shape: list, kpm: torch.Tensor) -> bool:
-        """Where probes run (CUDA, sampling on), a trusted shape runs unread only once its read path has been
-        timed: the probes that revoke a wrong verdict (`_probe_result`) compare the unread arm against that
-        time, and a read path that captured a graph was not timed. Without it a verdict from the prior that
-        was wrong stood until the next scheduled read (HF bert-base, Wiki128 B=32: the padded arm, predicted
-        faster, ran 6.3 ms a batch where the read path's graph took 2.1; H100, 2026-11-24)."""
-        return bool(shape[5]["read"]) or not (kpm.is_cuda and self.sample_every > 0)
+        """Where probes run (CUDA, sampling on), a trusted shape whose unread arm is a padded one runs unread
+        only once its read path has been timed: the probes that revoke a wrong verdict (`_probe_result`)
+        compare the unread arm against that time, and a read path that captured a graph was not timed.
+        Without it a verdict from the prior that was wrong stood until the next scheduled read (HF bert-base,
+        Wiki128 B=32: the padded arm, predicted faster, ran 6.3 ms a batch where the read path's graph took
+        2.1; H100, 2026-11-24). The ragged graph fed the mask does the read path's work without the read, so
+        its verdict does not wait: waiting cost the benchmark of record's short rows 5-10% (a latency table
+        times calls 4-13 of a batch; old and new code alternated in one lease, `cora_ab_*.json`)."""
+        return shape[1].ragged or bool(shape[5]["read"]) or not (kpm.is_cuda and self.sample_every > 0)
 
     def _one_behind(self, device: torch.device, shape: list) -> None:
         """Judge a trusted shape again, without a sync, from the stats of its first unread batch since the last
@@ -595,15 +598,14 @@ class Runtime:
         return out, call.kpm.sum(1, dtype=torch.int32), call.L, note, None
 
     def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
-        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in (or
-        one unread run of more than twice the read path's time and cost), a shape whose unread arm took longer
-        than its read path plus the read's cost loses its trust (the predictions said otherwise)."""
+        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,
+        a shape whose unread arm took longer than its read path plus the read's cost loses its trust
+        (the predictions said otherwise)."""
         probe[kind].append(ms)
-        if not probe["unread"] or not probe["read"] or probe["lost"]:
+        if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
             return
         unread, read = min(probe["unread"]), min(probe["read"])
-        # two runs to judge by, or one that took more than twice the read path's time
-        if unread > read + self.sync_ms and (len(probe["unread"]) >= 2 or unread > 2 * (read + self.sync_ms)):
+        if unread > read + self.sync_ms:
             probe["lost"] = True
             entry = self.mask_shapes.get(self._shape_key(B, L))
             if entry is not None and entry[5] is probe:
