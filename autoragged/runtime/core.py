@@ -592,8 +592,8 @@ class Runtime:
                 out = graph.run_mask(call.x, call.kpm)
                 out = call.finish(out) if arm.ragged else call.finish_padded(out)
                 return out, graph.pads, graph.width, None, graph
-        if read_instead and arm.ragged:
-            return _READ
+        if read_instead and arm.ragged and (self.graphs is None or self.graphs.deferred is None):
+            return _READ  # (a capture deferred to after this batch's eager run keeps the padded arm: see `_get`)
         out = call.padded_mask(module)
         return out, call.kpm.sum(1, dtype=torch.int32), call.L, note, None
 
