@@ -63,8 +63,7 @@ def wrap(
     sample_every: time every n-th batch (CUDA events, or the host clock on a CPU; 0: never); the planner learns
                   from these. Also timed (unless 0): a mask-only shape's judged batches and its first unread
                   replays, so a shape that skips the lengths read and measures slower goes back to reading them.
-    explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket: a padded
-               arm, or a ragged one that has already run in this module (a first run compiles Triton kernels).
+    explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket.
     validate_lengths: when both `lengths=` and a padding mask are given, check they agree, real tokens first
                (one device->host copy); set False to trust `lengths` and skip the copy.
     config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).

@@ -171,16 +171,14 @@ class Planner:
         how = "the prior's" if prior is not None else "none"
         return predicted, f"; the model's prediction for {labels} was not finite ({how} used)"
 
-    def explore(self, stats: BatchStats, chosen: Arm, allowed=None) -> Arm | None:
+    def explore(self, stats: BatchStats, chosen: Arm) -> Arm | None:
         """An arm the planner may choose in this bucket with fewer than `min_samples` measurements (other
-        than `chosen`, which is measured anyway when its batch is sampled), or None. `allowed`, a predicate,
-        narrows the arms (the runtime's: those whose first run compiles nothing)."""
+        than `chosen`, which is measured anyway when its batch is sampled), or None."""
         key = bucket_key(stats)
         measured = self._measured.get(key, {})
         for arm in self._arms.get(key, ()):
             if arm != chosen and not arm.mask_only and len(measured.get(arm.label, ())) < self.min_samples:
-                if allowed is None or allowed(arm):
-                    return arm
+                return arm
         return None
 
     def observe(self, stats: BatchStats, arm: Arm, ms: float) -> None:

@@ -667,21 +667,3 @@ def test_subclasses_and_float_hf_masks_are_warned_about(caplog):
         enc(x, src_key_padding_mask=hf_style)
         enc(x, src_key_padding_mask=hf_style)
     assert caplog.text.count("values other than 0 and -inf") == 1
-
-
-def test_exploration_tries_only_arms_that_have_run():
-    """A ragged arm's first run compiles its Triton kernels (0.3-1 s inside the traffic): on sampled batches the
-    runtime explores the padded arms and the ragged arms that have run already, never one that has not."""
-    from autoragged._planner import Planner
-
-    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
-    rt = enc._autoragged
-    cfg = autoragged.KernelConfig(block_m=16, block_n=16, num_warps=2, num_stages=1)
-    never = autoragged._costmodel.Arm("ragged", cfg)
-    assert rt._explorable(autoragged._costmodel.PADDED) and not rt._explorable(never)
-    x, mask = batch(LENGTHS, 64, "cpu")
-    with torch.no_grad():
-        enc(x, src_key_padding_mask=mask)
-    ran = autoragged.recent_decisions(enc, 1)[0]
-    assert ran.arm == "padded" or any(rt._explorable(a) and a.kind == ran.arm for a in rt.ran)  # what ran may be
-    assert Planner.explore.__defaults__ == (None,)  # without a predicate every arm may be explored (the tuner)

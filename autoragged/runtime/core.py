@@ -157,10 +157,6 @@ class Runtime:
         self.db_path = options.db_path
         self.sample_every = options.sample_every
         self.explore = options.explore
-        # the ragged arms that have run in this runtime: exploration tries only those and the padded arms, since
-        # a ragged arm's first run compiles its Triton kernels (0.3-1 s) inside the traffic
-        self.ran: set[Arm] = set()
-        self._last_ran: Arm | None = None
         self.validate_lengths = options.validate_lengths
         self.forced_config = options.config
         self.body = body = adapter.bind(module)
@@ -303,7 +299,7 @@ class Runtime:
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0
         if sampled and self.explore and free:
-            alt = self.planners[call.device].explore(stats, arm, self._explorable)
+            alt = self.planners[call.device].explore(stats, arm)
             if alt is not None:
                 arm, why = alt, f"exploring (the planner chose {plan.arm.label})"
         # a probe times the read path as the shape runs it: the planner's arm, not an explored one
@@ -340,10 +336,6 @@ class Runtime:
             record.arm = self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
-        if record.arm is not self._last_ran:  # (the planner hands out the same Arm objects: mostly one check)
-            self._last_ran = record.arm
-            if record.arm.ragged:
-                self.ran.add(record.arm)
         if graphs is not None and graphs.evicted_note:  # captured in this call, evicting others to keep it
             record.reason += graphs.evicted_note
             graphs.evicted_note = ""
@@ -408,10 +400,6 @@ class Runtime:
         if ragged_in is not None and fallback.ragged and fallback.config.align != ragged_in.align:
             fallback = Arm(fallback.kind, fallback.config.replace(align=ragged_in.align))
         return fallback
-
-    def _explorable(self, arm: Arm) -> bool:
-        """An arm exploration may try: a padded one, or a ragged one that has run here (compiled already)."""
-        return not arm.ragged or arm in self.ran
 
     def _read_known(self, shape: list, kpm: torch.Tensor) -> bool:
         """Where probes run (CUDA, sampling on), a trusted shape whose unread arm is a padded one runs unread
