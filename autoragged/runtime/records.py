@@ -13,7 +13,7 @@ import torch
 
 from ..tuning_db import BatchStats, Decision
 
-__all__ = ["Record", "PadsRing"]
+__all__ = ["Record", "PadsRing", "timers"]
 
 
 class Record:
@@ -162,3 +162,28 @@ class PadsRing:
                         host, _, width, L = record._pending
                         record._pending = (snapshot[j, : host.shape[0]], None, width, L)
         self.host.fill_(-1)
+
+
+class _HostTimer:
+    """A CUDA event's timing interface on the host clock, for CPU batches (their ops run synchronously)."""
+
+    __slots__ = ("t",)
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostTimer) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def timers(device: torch.device):
+    """(start, end) timers for a batch on `device`: CUDA events, or the host clock on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    return _HostTimer(), _HostTimer()

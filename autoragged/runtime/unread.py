@@ -1,0 +1,298 @@
+"""Mask-only batches whose lengths are never read: the verdicts, the probes and the unread arms.
+
+A batch that comes with a CUDA key padding mask alone must read its lengths (a device->host copy, a sync)
+before any arm that needs them can run. `UnreadShapes`, a part of `Runtime` (runtime/core.py), keeps per
+shape (B and the padded graph's length bucket) whether an arm that needs no lengths (padded, padded graph,
+the ragged graph fed the mask) keeps winning with the read's cost counted against the others, runs the
+trusted shapes' batches on the mask itself, judges them again one batch behind, and revokes a verdict that
+timing contradicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+
+from .._buckets import padded_bucket
+from .._costmodel import PADDED, PADDED_GRAPH, Arm
+from .._device import device_key
+from .._planner import graph_config
+from ..tuning_db import BatchStats
+from .records import PadsRing, Record, timers
+
+__all__ = ["UnreadShapes"]
+
+log = logging.getLogger("autoragged")
+
+# Mask-only batches: reading lengths from a mask costs a device->host copy and a sync. Once an arm that
+# needs no lengths (padded, padded graph, the ragged graph fed the mask) won a shape _TRUST times in a row,
+# counting that cost against the others, batches of the shape skip the read and run that arm on the mask
+# itself: nothing synchronises. Every _REJUDGE-th unread batch of a shape judges it again from the stats of
+# an earlier unread batch that have reached the host (one batch behind, no sync); a shape whose earlier
+# batches' stats have not landed after _RECHECK batches reads its lengths.
+# The verdicts come from predictions; on the GPU they are checked by timing: the judged batches that read
+# lengths and the first _PROBES of a trusted shape run fed the mask are timed with CUDA events (harvested
+# later, never blocking), and a shape whose unread arm measured slower than its read path plus the read is
+# not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23).
+# Runtime.mask_reads = "recheck" is the rule before one-batch-behind judging (2026-11-24): exact (B, L)
+# shapes, trusted after 3 wins, every 16th batch reading its lengths, the read's cost its own time only.
+_TRUST = 2
+_TRUST_RECHECK = 3
+_RECHECK = 16
+_REJUDGE = 8
+_MAX_SHAPES = 4096
+_PROBES = 3
+_READ = object()  # `_run_unread`: this batch takes the read path after all
+_WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
+
+
+def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
+    """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
+    probe = {"read": [], "unread": [], "left": _PROBES, "lost": False}
+    return [streak, arm, 0, predicted or {}, tokens, probe, None, None]
+
+
+class UnreadShapes:
+    """The mask-only part of `Runtime` (its state lives there: mask_shapes, sync_samples, prelaunch,
+    pipelined, pads_ring; see Runtime.__init__)."""
+
+    @property
+    def sync_ms(self) -> float:
+        """The read's own cost: the least of the recent reads' host times. A read also waits for the work
+        queued before it (the first one for compiles and captures: 30-100 ms on the H100 host), which is
+        not the read's doing; an average of those had every shape skip its reads."""
+        return min(self.sync_samples) if self.sync_samples else 0.0
+
+    def _read_timed(self, ms: float, cuda: bool) -> None:
+        """A mask read took `ms` of host time: a sample of the read's cost, and whether it waited for queued
+        work (the host runs ahead of the GPU). A CPU runs ops as they are called: a slow read there is the
+        host's noise, nothing queued."""
+        self.sync_samples.append(ms)
+        self.pipelined = cuda and ms > self.sync_ms + _WAITED_MS
+
+    @property
+    def read_cost_ms(self) -> float:
+        """What reading a mask's lengths costs a batch: the read itself (`sync_ms`) and, while the host runs
+        ahead of the GPU (the reads wait for queued work), the host time from the read to the arm's work
+        queued, the median of the recent ones: the drained GPU idles meanwhile. With every call synchronised
+        (a latency benchmark) the GPU idles then whichever arm runs, and only the read itself counts."""
+        cost = self.sync_ms
+        if self.pipelined and self.prelaunch:
+            cost += sorted(self.prelaunch)[len(self.prelaunch) // 2]
+        return cost
+
+    @property
+    def trust(self) -> int:
+        return _TRUST_RECHECK if self.mask_reads == "recheck" else _TRUST
+
+    def _shape_key(self, B: int, L: int) -> tuple[int, int]:
+        """A mask-only shape: B and the padded bucket's length (the unread graphs' bucket), or (B, L) under
+        mask_reads="recheck". Over 100 batches of each CoRa row but Wiki128 (whose lengths all reach 128), the
+        batch's L took 10-56 values, the most common in 6-21% of the batches, so three verdicts in a row for one
+        (B, L) were rare and nearly every mask was read; the bucket's length took 1-5 values."""
+        return (B, L) if self.mask_reads == "recheck" else (B, padded_bucket(B, L)[1])
+
+    def _read_known(self, shape: list, kpm: torch.Tensor) -> bool:
+        """Where probes run (CUDA, sampling on), a trusted shape whose unread arm is a padded one runs unread
+        only once its read path has been timed: the probes that revoke a wrong verdict (`_probe_result`)
+        compare the unread arm against that time, and a read path that captured a graph was not timed.
+        Without it a verdict from the prior that was wrong stood until the next scheduled read (HF bert-base,
+        Wiki128 B=32: the padded arm, predicted faster, ran 6.3 ms a batch where the read path's graph took
+        2.1; H100, 2026-11-24). The ragged graph fed the mask does the read path's work without the read, so
+        its verdict does not wait: waiting cost the benchmark of record's short rows 5-10% (a latency table
+        times calls 4-13 of a batch; old and new code alternated in one lease, `cora_ab_*.json`)."""
+        return shape[1].ragged or bool(shape[5]["read"]) or not (kpm.is_cuda and self.sample_every > 0)
+
+    def _one_behind(self, device: torch.device, shape: list) -> None:
+        """Judge a trusted shape again, without a sync, from the stats of its first unread batch since the last
+        verdict, once they are on the host and _REJUDGE unread batches have run since (so they have landed).
+        Not before a read was timed: the verdict weighs the read's cost."""
+        record = shape[7]
+        if record is None or shape[2] < _REJUDGE or not self.sync_samples or self.mask_reads == "recheck":
+            return
+        stats = record.peek()
+        if stats is None:
+            return
+        ring = self.pads_ring
+        if ring is not None and ring.device == device:  # is the previous unread batch still queued on the GPU?
+            from .graphs import event_pending
+
+            self.pipelined = event_pending(ring.events[ring.i])
+        plan = self._plan(device, stats, None)
+        self._judge_entry(shape, plan.predicted_ms, self._mask_graph_arm(device, stats), stats.total)
+
+    def _mask_graph_arm(self, device: torch.device, stats: BatchStats) -> Arm | None:
+        """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
+        rows the graph counts on the device), or None where graphs do not run. Fed the mask or the lengths
+        it does the same work, so the batch's own prediction for it holds for either."""
+        if not (self.graphs_enabled and device.type == "cuda" and self.body.mask_graph):
+            return None
+        return Arm("ragged_graph", graph_config(self.body.head_dim, stats.max_len, "triton"))
+
+    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
+        """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
+        mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?
+        Returns the shape's entry, updated."""
+        key = self._shape_key(B, L)
+        if len(self.mask_shapes) >= _MAX_SHAPES and key not in self.mask_shapes:
+            self.mask_shapes.clear()
+        entry = self.mask_shapes.get(key) or self.mask_shapes.setdefault(key, _shape_entry())
+        return self._judge_entry(entry, predicted, mask_arm, tokens)
+
+    def _judge_entry(self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int) -> list:
+        unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
+        mask_label = mask_arm.label if mask_arm is not None else None
+        # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
+        needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
+        if mask_label in predicted:
+            unread[mask_label] = predicted[mask_label]
+        best = min(unread, key=unread.get) if unread else None
+        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.read_cost_ms)
+        entry[2], entry[7] = 0, None  # a verdict: the unread batches since, and the one to judge from, start anew
+        if wins and not entry[5]["lost"]:
+            entry[0] += 1
+            arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            if arm != entry[1]:  # another arm: its timings start afresh, and its graph is not the one kept
+                entry[5].update(read=[], unread=[], left=_PROBES)
+                entry[6] = None
+            entry[1] = arm
+            entry[3], entry[4] = predicted, tokens
+        else:
+            entry[0] = 0
+        return entry
+
+    def _run_unread(self, module, call, shape: list):
+        """A mask-only batch of a shape (its `mask_shapes` entry) where an arm that needs no lengths wins: run
+        it on the mask, lengths never read. The record carries the predictions of the shape's last judged
+        batch (of `tokens`). The shape's first `_PROBES` runs that replay (not capture) are timed for
+        `_probe_result`, from after the call's prefetch, as the read path's runs are timed. Once the arm's
+        graph replays untimed, the entry keeps it for `_replay_unread`. `_READ` where the arm is the ragged
+        graph and it is not captured (yet): the batch takes the read path, whose arm the verdict ranked just
+        behind it, instead of the padded arm, which may be far behind (HF bert-base, CoLA B=32: 7 ms, the read
+        path 1.9; H100, 2026-11-24)."""
+        arm, predicted, tokens, probe = shape[1], shape[3], shape[4], shape[5]
+        B, L = call.B, call.L
+        why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
+        cuda = call.device.type == "cuda"
+        timed = probe["left"] > 0 and cuda and self.sample_every > 0
+        if timed:
+            call.prefetch()
+            captures = self.graphs.captures if self.graphs is not None else 0
+            start, end = timers(call.device)
+            start.record()
+            host0 = time.perf_counter()
+        costs = None
+        if self.capture_policy and arm.graph and "padded" in predicted and arm.label in predicted:
+            costs = (predicted["padded"], predicted[arm.label])  # without the graph the padded arm runs the mask
+        ran = self._execute_unread(module, call, arm, tokens, costs, read_instead=True)
+        if ran is _READ:
+            return _READ
+        self.count += 1
+        out, pads, width, note, graph = ran
+        graphs = self.graphs
+        if graphs is not None and graphs.deferred is not None:  # the batch's eager run is queued: capture now
+            extra = graphs.capture_deferred()
+            note = note and note + extra
+        if timed and note is None and (self.graphs.captures if self.graphs is not None else 0) == captures:
+            end.record()
+            probe["left"] -= 1
+            host_ms = (time.perf_counter() - host0) * 1e3
+            self.pending.append((start, end, host_ms, None, call.device, False, (probe, B, L, "unread")))
+        if note is not None:
+            arm, why = PADDED, f"{why}; {note}"
+        record = Record(None, arm, predicted, why, device_key(call.device), self.sig_key)
+        if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
+            self.pads_ring = PadsRing(pads.device)
+        if graph is not None and not timed:
+            shape[6] = (weakref.ref(graph), self.graphs.generation, why, record.device)
+        if shape[7] is None:
+            shape[7] = record  # the batch whose stats judge the shape again (`_one_behind`)
+        return self._unread_done(record, pads, width, B, L, out)
+
+    def _replay_unread(self, module, call, shape: list):
+        """The hot path of a trusted mask-only shape whose arm's graph is captured (`shape[6]`): the fewest
+        steps before the replay, because a short batch's latency is the host time before its replay plus
+        the GPU's. None when this batch must take the general path instead: the shape is not trusted, it is
+        due a read or a timing, something differs (`_dynamic_reason`, the input), or the graph left the
+        cache."""
+        ref, generation, why, device = shape[6]
+        graphs = self.graphs
+        since = shape[2] + 1
+        if (
+            shape[0] < self.trust or since >= _RECHECK or (shape[5]["left"] > 0 and self.sample_every > 0)
+            or (since >= _REJUDGE and shape[7] is not None and self.mask_reads != "recheck")  # `_one_behind` is due
+            or graphs is None or graphs.generation != generation or not self.graphs_enabled or self.policy != "auto"
+            or call.passthrough is not None or call.ragged_in is not None or call.eager_only is not None
+        ):  # fmt: skip
+            return None
+        if call.kpm.shape != (call.B, call.L):
+            return None
+        if self.static_reason or self._dynamic_reason(module, call) is not None:
+            return None
+        graphs._check_params(self._parameters(module))
+        graph = ref()
+        if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
+            return None
+        shape[2] += 1
+        self.count += 1
+        out = graph.run_mask(call.x, call.kpm)
+        graphs.graphs.move_to_end(graph.key)  # most recently used
+        graphs.touch(graph.key)  # its recurrence, for a recapture after an eviction
+        record = Record(None, shape[1], shape[3], why, device, self.sig_key)
+        if shape[7] is None:
+            shape[7] = record
+        return self._unread_done(record, graph.pads, graph.width, call.B, call.L, call.finish(out))
+
+    def _execute_unread(self, module, call, arm: Arm, tokens: int = 0, costs=None, read_instead: bool = False):
+        """(output, per-row pad counts, the columns they count over, None, the graph or None) of an arm run
+        on the mask itself (a padded arm, or the ragged graph fed the mask, its tiles picked for `tokens`
+        rows when > 0); the note says why it ran eagerly padded instead. costs: (padded ms, the graph's ms)
+        for the capture policy (`GraphCache._get`). read_instead: `_READ`, having run nothing, where the
+        ragged graph is not there to run."""
+        note = None
+        device = call.device
+        if not arm.graph:
+            pass
+        elif not self.graphs_enabled:
+            note = "graphs are off (wrap(graphs=False))"
+        elif self._graph_cache(device) is None:
+            note = "CUDA graphs need a GPU"
+        elif call.eager_only is not None:
+            note = call.eager_only
+        else:
+            B, L, dtype = call.B, call.L, self._param().dtype
+            if arm.ragged:
+                graph, note = self.graphs.ragged_mask(
+                    self, module, arm.config, False, B, L, dtype, device, tokens or None, costs
+                )
+            else:
+                graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask", costs=costs)
+            if graph is not None:
+                out = graph.run_mask(call.x, call.kpm)
+                out = call.finish(out) if arm.ragged else call.finish_padded(out)
+                return out, graph.pads, graph.width, None, graph
+        if read_instead and arm.ragged and (self.graphs is None or self.graphs.deferred is None):
+            return _READ  # (a capture deferred to after this batch's eager run keeps the padded arm: see `_get`)
+        out = call.padded_mask(module)
+        return out, call.kpm.sum(1, dtype=torch.int32), call.L, note, None
+
+    def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
+        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,
+        a shape whose unread arm took longer than its read path plus the read's cost loses its trust
+        (the predictions said otherwise)."""
+        probe[kind].append(ms)
+        if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
+            return
+        unread, read = min(probe["unread"]), min(probe["read"])
+        if unread > read + self.sync_ms:
+            probe["lost"] = True
+            entry = self.mask_shapes.get(self._shape_key(B, L))
+            if entry is not None and entry[5] is probe:
+                entry[0] = 0
+            log.info(
+                "autoragged %s: B=%d L=%d fed the mask took %.3f ms, reading lengths %.3f + %.3f ms: reading them",
+                self.sig_key, B, L, unread, read, self.sync_ms,
+            )  # fmt: skip
