@@ -21,7 +21,8 @@ ragged_graph: the layout, pack, the encoder layers on static values of `rows` bu
     batch x padded-bucket rows. Only the device knows how many rows the batch fills, so the linears are
     our Triton kernel (cuBLAS needs the row count on the host) and they and the norms read that count
     and stop there (`Layout.live`): the work is that of the real tokens, as with io="padded". Nothing
-    synchronises.
+    synchronises. A body whose pooler reads column 0 (`first_column`) gets a left-padded row's column 0, a
+    pad the original computes, as one more, query-only row (kernels/masked_pack.py, `mask_pass`).
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
     mask computed in the graph from static lengths (io="lengths"), or copied in from the caller's mask
     (io="mask": no lengths needed, any padding pattern, the graph also counts each row's pads);
