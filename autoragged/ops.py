@@ -19,10 +19,13 @@ from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
 from ._backend import use_triton
 from ._layout import Layout
 from ._ragged import RaggedTensor, _zero_gaps
+from .kernels import gated_act as k_act
 from .kernels import ragged_add_layer_norm as k_ln
 from .kernels import ragged_attention as k_attn
 from .kernels import ragged_bmm as k_bmm
 from .kernels import ragged_linear as k_lin
+from .kernels import rms_norm as k_rms
+from .kernels import rotary as k_rope
 from .kernels._config import KernelConfig
 
 __all__ = [
@@ -34,6 +37,9 @@ __all__ = [
     "linear_values",
     "bmm_values",
     "add_layer_norm_values",
+    "add_rms_norm_values",
+    "rotary_values",
+    "silu_mul_values",
 ]
 
 _ACT_CODE = {None: 0, "relu": 1, "gelu": 2}
@@ -162,6 +168,33 @@ def add_layer_norm_values(
         )
         return out, (total if store_sum else None)
     return k_ln.add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config, live=live)
+
+
+def add_rms_norm_values(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *, store_sum: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(residual + x) * weight, the sum if store_sum and a residual is given), rounded as HF's
+    Llama-family RMSNorm (see `kernels.rms_norm`)."""
+    k_rms.check_inputs(x, residual, weight)
+    if not use_triton(x):
+        return k_rms.add_rms_norm_ref(x, residual, weight, eps, store_sum=store_sum)
+    return k_rms.add_rms_norm(x, residual, weight, eps, store_sum=store_sum)
+
+
+def rotary_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (rows, H, D) rotated by each row's cos and sin (rows, D), as HF's `apply_rotary_pos_emb`."""
+    k_rope.check_inputs(x, cos, sin)
+    if not use_triton(x):
+        return k_rope.rotary_ref(x, cos, sin)
+    return k_rope.rotary(x, cos, sin)
+
+
+def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (T, F), as HF's Llama-family MLP; may overwrite gate."""
+    k_act.check_inputs(gate, up)
+    if not use_triton(gate):
+        return k_act.silu_mul_ref(gate, up)
+    return k_act.silu_mul(gate, up)
 
 
 # -- RaggedTensor ops -----------------------------------------------------------------------------

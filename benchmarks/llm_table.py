@@ -23,6 +23,8 @@ Columns
   wrap_sorted    autoragged.wrap(model) on hf_sorted's batches
   bins           autoragged.packing.run_job(model, docs, output="last_logits"): FFD token-budget bins sized by
                  the capacity probe (its time reported apart, probe_s), packed ids, no padded tensor
+  bins_modules   (on request: --columns ... bins_modules) the same bins with the model's own decoder layer
+                 modules around our attention instead of our fused layer kernels (hf_decoder.FUSED_LAYERS off)
 Per column: wall seconds over the whole mix (after a warm-up on its first two batches), real tokens per
 second, the padding share of the token rows the batching computes, peak GPU memory (and that minus the
 weights), speed-up over hf_b8, and the largest difference of its logits from hf_b8's (hf_sorted's is HF's own
@@ -47,6 +49,7 @@ import torch  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged._job import _align  # noqa: E402
+from autoragged.adapters import hf_decoder  # noqa: E402
 from autoragged.packing import (  # noqa: E402
     _is_oom,
     ffd_pack,
@@ -60,6 +63,7 @@ from autoragged.workloads import DOCUMENT_MIXES, llm_config, sample_documents  #
 from benchmarks._common import environment, header, require_cuda, table, what_ran, write_json  # noqa: E402
 
 COLUMNS = ["hf_b8", "hf_sorted", "wrap_b8", "wrap_b8_nocache", "wrap_sorted", "bins"]
+OPTIONAL = ["bins_modules"]
 
 
 def build(name: str, layers: int | None) -> torch.nn.Module:
@@ -148,6 +152,13 @@ def bench_mix(mix: str, args, model, wrapped, weights_gib: float) -> list[dict]:
         for col in args.columns:
             if col == "bins":
                 cell = bins_cell(row, args, wrapped, docs, lengths)
+            elif col == "bins_modules":
+                hf_decoder.FUSED_LAYERS = False
+                try:
+                    # the bins column's budget when it ran first (the same bins): an A/B of the layer code
+                    cell = bins_cell({}, args, wrapped, docs, lengths, row.get("bin_tokens"))
+                finally:
+                    hf_decoder.FUSED_LAYERS = True
             else:
                 fn, batches = runs[col]
                 cell = measure(lambda f=fn, b=batches: f(b), warm=lambda f=fn, b=batches: f(b[:2]))
@@ -175,11 +186,12 @@ def bench_mix(mix: str, args, model, wrapped, weights_gib: float) -> list[dict]:
     return rows
 
 
-def bins_cell(row: dict, args, wrapped, docs, lengths) -> dict:
-    """The bins column: the budget (probed unless --max-tokens), then run_job timed over the whole mix."""
+def bins_cell(row: dict, args, wrapped, docs, lengths, budget: int | None = None) -> dict:
+    """The bins column: the budget (given, --max-tokens, or probed), then run_job timed over the whole mix."""
     t0 = time.perf_counter()
-    budget = args.max_tokens or token_budget(wrapped, docs, output="last_logits", cap=args.cap)
-    row["probe_s"] = 0.0 if args.max_tokens else time.perf_counter() - t0
+    given = budget or args.max_tokens
+    budget = given or token_budget(wrapped, docs, output="last_logits", cap=args.cap)
+    row["probe_s"] = 0.0 if given else time.perf_counter() - t0
     align = _align(wrapped.model._autoragged, max(lengths), None)  # as run_job aligns its bins
     bins = ffd_pack(lengths, budget, align)
     row.update(bin_tokens=budget, bins_count=len(bins))
@@ -224,16 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", nargs="+", choices=list(DOCUMENT_MIXES), default=list(DOCUMENT_MIXES))
     p.add_argument("--documents", type=int, default=400, help="documents per mix (default 400)")
     p.add_argument("--batch", type=int, default=8, help="padded batch size (default 8)")
-    p.add_argument("--columns", nargs="+", default=COLUMNS, help=f"subset of {COLUMNS}")
+    p.add_argument("--columns", nargs="+", default=COLUMNS, help=f"subset of {COLUMNS + OPTIONAL}")
     p.add_argument("--max-tokens", type=int, help="bin budget (default: measured by the capacity probe)")
     p.add_argument("--cap", type=int, default=16384, help="the probe's largest bin (default 16384 tokens)")
     p.add_argument("--no-cap", action="store_true", help="also all documents as one padded batch (the OOM case)")
     p.add_argument("--db", help="tuning database of the wrapped model (default $AUTORAGGED_DB or ~/.cache)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/llm_table.json)")
     args = p.parse_args(argv)
-    unknown = set(args.columns) - set(COLUMNS)
+    unknown = set(args.columns) - set(COLUMNS + OPTIONAL)
     if unknown:
-        p.error(f"unknown columns {sorted(unknown)}; choose from {COLUMNS}")
+        p.error(f"unknown columns {sorted(unknown)}; choose from {COLUMNS + OPTIONAL}")
     require_cuda("benchmarks/llm_table.py")
     import transformers
 

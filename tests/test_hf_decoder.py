@@ -126,6 +126,53 @@ def test_the_triton_kernel_in_the_interpreter():
     check_close("mistral interpreter", out.logits, want.logits, want64.logits, keep)
 
 
+def _body(model):
+    return model.base_model._autoragged.body
+
+
+def test_llama_style_layers_take_the_fused_kernels_and_others_say_why_not():
+    fused = {f: _body(autoragged.wrap(model_of(f), db=False)).unfused for f in CONFIGS}
+    assert fused["llama"] is fused["qwen2"] is fused["mistral"] is fused["qwen3"] is None
+    assert (
+        "not Llama-style" in fused["gemma"]
+        and "not Llama-style" in fused["phi3"]
+        and "not Llama-style" in fused["gpt2"]
+    )
+    assert "activation 'gelu'" in _body(autoragged.wrap(model_of("llama", hidden_act="gelu"), db=False)).unfused
+    replaced = model_of("qwen2")
+    replaced.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(64)
+    assert "layer 1: post_attention_layernorm is a LayerNorm" in _body(autoragged.wrap(replaced, db=False)).unfused
+    partial = model_of("llama")
+    partial.model.layers[0].mlp.up_proj = torch.nn.Sequential(partial.model.layers[0].mlp.up_proj)
+    assert "layer 0: mlp.up_proj is not an nn.Linear" in _body(autoragged.wrap(partial, db=False)).unfused
+
+
+@pytest.mark.parametrize("family, dtype", [("qwen2", torch.bfloat16), ("qwen3", torch.float32)])
+def test_the_fused_layers_in_the_interpreter(family, dtype, monkeypatch):
+    """Our layer kernels (Triton's interpreter) on Qwen2 (GQA, a sliding layer that bites, biases) in bf16 and
+    Qwen3 (q/k norms): logits, every hidden state and the KV cache equal the original's on real tokens; the
+    module path (FUSED_LAYERS off) gives the same within the same error."""
+    from autoragged.adapters import _fused_decoder, hf_decoder
+
+    runs = []
+    real_run = _fused_decoder.run
+    monkeypatch.setattr(_fused_decoder, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    model = autoragged.wrap(model_of(family).to(dtype), db=False, policy="ragged")
+    kwargs, keep = batch(lengths=(9, 3, 6), side="left")
+    with torch.no_grad():
+        out = model(**kwargs, output_hidden_states=True)
+        monkeypatch.setattr(hf_decoder, "FUSED_LAYERS", False)
+        modules = model(**kwargs, output_hidden_states=True)
+    assert last(model).arm == "ragged" and runs == [1]
+    want, want64 = originals(model, {**kwargs, "output_hidden_states": True})
+    for name, ours in (("fused", out), ("modules", modules)):
+        check_close(f"{family} {name} logits", ours.logits, want.logits, want64.logits, keep)
+        for i, (a, b, c) in enumerate(zip(ours.hidden_states, want.hidden_states, want64.hidden_states)):
+            check_close(f"{family} {name} hidden state {i}", a, b, c, keep)
+        check_cache(f"{family} {name}", ours.past_key_values, want.past_key_values, want64.past_key_values, keep)
+    assert len(out.hidden_states) == len(want.hidden_states)
+
+
 @pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
 def test_every_policy_gives_the_original(policy, monkeypatch):
     use_reference(monkeypatch)

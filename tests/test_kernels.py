@@ -9,10 +9,13 @@ import itertools
 import pytest
 import torch
 from _tolerance import assert_within_torch_error
+from autoragged.kernels import gated_act as k_act
 from autoragged.kernels import ragged_add_layer_norm as k_ln
 from autoragged.kernels import ragged_attention as k_attn
 from autoragged.kernels import ragged_bmm as k_bmm
 from autoragged.kernels import ragged_linear as k_lin
+from autoragged.kernels import rms_norm as k_rms
+from autoragged.kernels import rotary as k_rope
 from autoragged.kernels._config import interpreting
 from conftest import DEVICES, triton_available
 
@@ -470,6 +473,90 @@ def test_add_layer_norm(device, dtype, n):
             # exact, except that the interpreter truncates to bf16 (one ulp; see tests/_tolerance.py)
             ulp = torch.finfo(dtype).eps * 2 if dtype == torch.bfloat16 and interpreting() else 0.0
             torch.testing.assert_close(total, expected_sum, rtol=ulp, atol=0)
+
+
+# -- the Llama-style layer's elementwise kernels: HF's rounding ------------------------------------
+def _ulps(dtype) -> float:
+    """Relative rounding differences allowed against HF's own (reference) computation in `dtype`: two ulps of a
+    half dtype (the order of an fp32 sum moves a rounding), four of fp32 (whose chained roundings and rsqrt
+    show), four of bf16 under the interpreter's truncating casts (tests/_tolerance.py)."""
+    ulp = torch.finfo(dtype).eps
+    return ulp * (4 if dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting()) else 2)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [32, 100, 640])
+def test_add_rms_norm_rounds_as_hf(device, dtype, n):
+    x = (torch.randn(37, n, dtype=torch.float64) * 3 + 1).to(dtype).to(device)
+    r = torch.randn(37, n, dtype=torch.float64).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(n, dtype=torch.float64)).to(dtype).to(device)
+    strided = torch.randn(37, 2 * n, dtype=dtype, device=device)[:, ::2]  # stride 2 on N: copied
+    for residual in (r, None, strided):
+        out, total = k_rms.add_rms_norm(x, residual, w, 1e-6, store_sum=True)
+        want, want_total = k_rms.add_rms_norm_ref(x, residual, w, 1e-6, store_sum=True)
+        want64, _ = k_rms.add_rms_norm_ref(*(None if t is None else t.double() for t in (x, residual, w)), 1e-6)
+        assert_within_torch_error(out, want, want64, f"add_rms_norm {dtype} n={n}")
+        # within an ulp or two of HF's own result in the same dtype
+        torch.testing.assert_close(out, want, rtol=_ulps(dtype), atol=0)
+        if residual is None:
+            assert total is None
+        else:
+            torch.testing.assert_close(total, want_total, rtol=_ulps(dtype), atol=0)
+    for config in (
+        KernelConfig(block_m=4, num_warps=2, num_stages=1),
+        KernelConfig(block_m=1, num_warps=1, num_stages=1),
+    ):
+        out, _ = k_rms.add_rms_norm(x[:5], r[:5], w, 1e-6, config=config)
+        torch.testing.assert_close(out, k_rms.add_rms_norm_ref(x[:5], r[:5], w, 1e-6)[0], rtol=_ulps(dtype), atol=0)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, heads, dim", [(1, 1, 64), (7, 3, 32), (13, 5, 128), (6, 2, 80)])
+def test_rotary_is_hfs_to_the_bit(device, dtype, rows, heads, dim):
+    """One product and one sum, each rounded as HF's separate kernels round them: the same bits as HF (but for
+    the interpreter's truncating bf16 casts). A strided view (a projection's output) and odd head counts."""
+    proj = torch.randn(rows, heads * dim + 3, dtype=dtype, device=device)[:, 3:]  # (rows, H * D), row stride H*D+3
+    x = proj.view(rows, heads, dim) if proj.is_contiguous() else proj.unflatten(1, (heads, dim))
+    angle = torch.arange(rows, dtype=torch.float32, device=device)[:, None] * torch.rand(dim // 2, device=device)
+    angle = torch.cat((angle, angle), dim=-1)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    out = k_rope.rotary(x, cos, sin)
+    want = k_rope.rotary_ref(x, cos, sin)
+    assert out.is_contiguous() and out.shape == x.shape
+    tol = 0.0 if not (dtype == torch.bfloat16 and interpreting()) else _ulps(dtype)
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 700), (5, 2048 + 17)])
+def test_silu_mul_rounds_as_hf_and_overwrites_the_gate(device, dtype, shape):
+    gate = (torch.randn(shape, dtype=torch.float64) * 4).to(dtype).to(device)
+    up = torch.randn(shape, dtype=torch.float64).to(dtype).to(device)
+    want = k_act.silu_mul_ref(gate, up)
+    kept = k_act.silu_mul(gate, up, inplace=False)
+    torch.testing.assert_close(kept, want, rtol=_ulps(dtype), atol=_ulps(dtype))
+    out = k_act.silu_mul(gate, up)
+    assert out.data_ptr() == gate.data_ptr()
+    torch.testing.assert_close(out, want, rtol=_ulps(dtype), atol=_ulps(dtype))
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: k_rms.add_rms_norm(torch.randn(3, 8), None, torch.ones(7), 1e-6), "weight must be (8,)"),
+        (lambda: k_rms.add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).half(), torch.ones(8), 1e-6), "residual"),
+        (lambda: k_rope.rotary(torch.randn(3, 2, 7), torch.randn(3, 7), torch.randn(3, 7)), "D even"),
+        (lambda: k_rope.rotary(torch.randn(3, 2, 8), torch.randn(2, 8), torch.randn(3, 8)), "cos must be (3, 8)"),
+        (lambda: k_act.silu_mul(torch.randn(3, 8), torch.randn(3, 9)), "gate and up must be"),
+    ],
+)
+def test_layer_kernel_errors_are_named(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert words in str(info.value)
 
 
 # -- the public ops on RaggedTensors: one suite, both backends -----------------------------------

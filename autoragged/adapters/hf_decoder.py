@@ -11,10 +11,14 @@ The ragged arm unpads once and repads once:
 - the first layer's input on the padded call, as the original computes it: token embeddings (Gemma's scaled
   ones), GPT-2's learned positions from the original's `position_ids` (arange(L) for every row unless given,
   so a left-padded row's positions are shifted in the original too, and here);
-- the model's own decoder layer modules on the packed real tokens (1, rows, D), with our causal varlen
-  kernel as their attention through transformers' attention interface (adapters/_hf.py): grouped-query
-  and multi-query heads pass straight to it, sliding windows (Mistral, Qwen2/3 sliding layers, Phi-3) as
-  the modules pass them;
+- Llama-style layers (Llama, Mistral, Qwen2, Qwen3 with their own RMSNorm, linear and silu modules) run by
+  our kernels (adapters/_fused_decoder.py): the model's linear weights through cuBLAS on packed rows, fused
+  add + RMSNorm, rotary and silu * up kernels rounded as HF's modules round, our causal varlen attention;
+  other layers (Gemma, Phi-3, GPT-2, anything replaced or unknown: `body.unfused` says why) run as the model's
+  own decoder layer modules on the packed real tokens (1, rows, D), with our causal varlen kernel as their
+  attention through transformers' attention interface (adapters/_hf.py). Grouped-query and multi-query heads
+  pass straight to the kernel, sliding windows (Mistral, Qwen2/3 sliding layers, Phi-3) as the modules pass
+  them;
 - rotary embeddings computed by the model's own `rotary_emb` on the position ids the original derives for
   the padded input (arange(L), or the call's `position_ids`), then gathered for each packed row from its
   padded column: bit-identical cos/sin for every padding side and rope type. The CUDA-graph arms (right
@@ -43,7 +47,7 @@ cross-attention, bidirectional-configured Gemma, attention dropout in training m
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -55,11 +59,14 @@ from .._ragged import RaggedTensor, _from_padded, _to_padded
 from ..kernels import ragged_attention as k_attn
 from ..runtime.core import _mask_rows, pad_mask
 from ..tuning_db import ModuleSignature
-from . import _hf
+from . import _fused_decoder, _hf
 
 __all__ = ["ADAPTER", "FAMILIES"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Llama-style layers run by our fused kernels where they can (adapters/_fused_decoder.py); False: always the
+# model's own modules (benchmarks/llm_table.py --module-layers compares the two)
+FUSED_LAYERS = True
 
 
 # -- where each family keeps what the ragged arm needs ---------------------------------------------------
@@ -102,18 +109,21 @@ class Family:
     rotary: bool = True  # layers take position_embeddings=(cos, sin) from base.rotary_emb
     token_types: bool = False  # the base model takes token_type_ids
     unsupported: str | None = None  # why the ragged arm never runs this family
+    # Llama-style layers our fused kernels may run (adapters/_fused_decoder.py): attention module -> its sliding
+    # window or None, as the module passes it to the attention interface; None: the family's layers never do
+    window_of: Callable | None = None
 
 
 _ROPE = Family(
     _embed_tokens, _embed_tokens_packed, lambda b: b.layers, lambda b: b.norm, outputs.BaseModelOutputWithPast
 )
 FAMILIES: dict[str, Family] = {
-    "llama": _ROPE,
-    "mistral": _ROPE,
-    "qwen2": _ROPE,
-    "qwen3": _ROPE,
-    "gemma": _ROPE,
-    "phi3": _ROPE,
+    "llama": replace(_ROPE, window_of=lambda attn: None),
+    "mistral": replace(_ROPE, window_of=lambda attn: getattr(attn.config, "sliding_window", None)),
+    "qwen2": replace(_ROPE, window_of=lambda attn: attn.sliding_window),
+    "qwen3": replace(_ROPE, window_of=lambda attn: attn.sliding_window),
+    "gemma": _ROPE,  # (1 + weight) norms and a gelu MLP: the model's own modules
+    "phi3": _ROPE,  # fused qkv and gate-up projections: the model's own modules
     "gpt2": Family(
         _gpt2_embed,
         _gpt2_embed_packed,
@@ -164,6 +174,8 @@ class HFDecoderBody(_hf.HFBody):
         # graph's bucket): eager arms only, on the original's position table
         self.dynamic_rope = self.rope_type is not None and ("dynamic" in self.rope_type or self.rope_type == "longrope")
         self.static_reason = self._static_reason(module)
+        # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
+        self.unfused = self._unfused_reason(module)
         ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * self.d_model
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "unknown"
         first = self._list[0] if len(self._list) else None
@@ -192,6 +204,15 @@ class HFDecoderBody(_hf.HFBody):
         )  # fmt: skip
         return f"the ragged attention kernel: {why}" if why else None
 
+    def _unfused_reason(self, module) -> str | None:
+        family, config = self.family, module.config
+        if family.window_of is None:
+            return f"{config.model_type} layers are not Llama-style"
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            return "partial rotary embeddings"
+        layers = self._list[: config.num_hidden_layers]
+        return _fused_decoder.why_not(layers, family.norm(module), config, self.probe().dtype)
+
     def embed_packed(self, ids: RaggedTensor) -> torch.Tensor:
         """(rows, D): the first layer's input for packed token ids, each sequence from position 0."""
         positions = _hf.positions(ids.layout, ids.values.shape[0], ids.device)[0]
@@ -211,6 +232,12 @@ class HFDecoderBody(_hf.HFBody):
         h = x[None]
         kwargs = {"position_embeddings": self._rope(h, layout, rows, call)} if family.rotary else {}
         sink = call.cache_sink(layout) if call is not None else None
+        if self.unfused is None and FUSED_LAYERS and not torch.compiler.is_compiling():
+            layers = self._list[: self.config.num_hidden_layers]
+            return _fused_decoder.run(
+                layers, family.norm(base), x, layout, config, kwargs["position_embeddings"], family.window_of,
+                sink, hidden,
+            )  # fmt: skip
         with _hf.ragged_attention_of(base.config, layout, config, sink):
             for layer in self._list[: self.config.num_hidden_layers]:
                 h = layer(h, **kwargs)

@@ -1,0 +1,139 @@
+"""Llama-style decoder layers (Llama, Mistral, Qwen2, Qwen3) on packed rows, run by our kernels where HF's
+modules spend passes over memory.
+
+A prefill of long documents is GEMM-bound, and cuBLAS on packed rows is already padding-free: the model's own
+linear weights go to `F.linear` unchanged. What HF's modules add between the GEMMs are elementwise passes: the
+RMSNorm is seven kernels (a cast to fp32, pow, mean, rsqrt, product, cast back, weight product), rotary five
+per tensor and a concatenation, the MLP's activation and product two passes over the (rows, F) gate, and the
+residual adds one each. On a Qwen2.5-7B-shaped layer with 15K packed rows those passes move several GB, about
+a sixth of the layer's time. Here a layer is
+
+    [add +] RMSNorm (kernels/rms_norm) -> q, k, v projections -> [q/k RMSNorm (Qwen3)] -> rotary
+    (kernels/rotary) -> our varlen attention -> o projection -> add + RMSNorm -> gate, up projections
+    -> silu * up (kernels/gated_act, over the gate) -> down projection
+
+and each residual add is folded into the next norm (the last into the final norm). Every kernel rounds where
+HF's modules round (see each kernel's docstring), so the output is the module path's to an ulp or so; the
+tests hold both to the original model.
+
+Only layers whose every part is one of the known modules take this path (`why_not` says why not); the rest
+run the model's own modules with our attention through transformers' attention interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+
+__all__ = ["why_not", "run"]
+
+# RMSNorm classes whose forward is LlamaRMSNorm's (weight * normalised.to(dtype), statistics in fp32)
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _norm_reason(name: str, norm, dtype) -> str | None:
+    if type(norm).__name__ not in _RMS_NORMS:
+        return f"{name} is a {type(norm).__name__}"
+    if norm.weight.dtype != dtype:
+        return f"{name}'s weight is {norm.weight.dtype}, the model {dtype}"
+    return None
+
+
+def why_not(layers, final_norm, config, dtype) -> str | None:
+    """Why these decoder layers cannot take the fused path, or None when every one can."""
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (the fused MLP is silu's)"
+    why = _norm_reason("the final norm", final_norm, dtype)
+    if why:
+        return why
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [(f"self_attn.{p}", getattr(attn, p, None)) for p in _ATTENTION]
+        parts += [(f"mlp.{p}", getattr(mlp, p, None)) for p in _MLP]
+        for name, part in parts:
+            if type(part) is not nn.Linear:
+                return f"layer {i}: {name} is not an nn.Linear"
+        names = ["input_layernorm", "post_attention_layernorm"]
+        norms = [(n, getattr(layer, n, None)) for n in names]
+        norms += [(f"self_attn.{n}", getattr(attn, n)) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        for name, norm in norms:
+            why = _norm_reason(f"layer {i}: {name}", norm, dtype)
+            if why:
+                return why
+        if not getattr(attn, "is_causal", False):
+            return f"layer {i}: attention is not causal"
+    return None
+
+
+def _head_norm(t: torch.Tensor, norm) -> torch.Tensor:
+    rows, heads, dh = t.shape
+    return ops.add_rms_norm_values(t.reshape(-1, dh), None, norm.weight, norm.variance_epsilon)[0].view(rows, heads, dh)
+
+
+def _attention(attn, h, layout, kernel_config, cos, sin, sink, window) -> torch.Tensor:
+    rows, dh = h.shape[0], attn.head_dim
+    q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, -1, dh)
+    k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, -1, dh)
+    v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(rows, -1, dh)
+    q_norm = getattr(attn, "q_norm", None)
+    if q_norm is not None:  # Qwen3: RMSNorm over each head's dim, before rotary
+        q, k = (_head_norm(t, norm) for t, norm in ((q, q_norm), (k, attn.k_norm)))
+    q, k = ops.rotary_values(q, cos, sin), ops.rotary_values(k, cos, sin)
+    if sink is not None:
+        sink(attn, k[None].transpose(1, 2), v[None].transpose(1, 2))  # (1, Hkv, rows, Dh), as HF hands them
+    extra = {} if window is None else {"window": (window - 1, 0)}
+    out = ops.attention_values(q, k, v, layout, causal=True, scale=attn.scaling, config=kernel_config, **extra)
+    return F.linear(out.reshape(rows, -1), attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _mlp(mlp, h) -> torch.Tensor:
+    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    return F.linear(ops.silu_mul_values(gate, up), mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def run(
+    layers,
+    final_norm,
+    x: torch.Tensor,
+    layout,
+    kernel_config,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    window_of: Callable,
+    sink=None,
+    hidden: list | None = None,
+) -> torch.Tensor:
+    """The layers and the final norm on packed values x (rows, D) -> (rows, D). position_embeddings: HF's
+    (cos, sin), (1, rows, Dh) gathered per packed row; window_of(attention module) -> its sliding window or
+    None; sink and hidden as `HFDecoderBody.values`."""
+    cos, sin = (t[0] for t in position_embeddings)
+    residual, branch = None, x
+    for layer in layers:
+        norm = layer.input_layernorm
+        h, total = ops.add_rms_norm_values(branch, residual, norm.weight, norm.variance_epsilon, store_sum=True)
+        if residual is not None:  # the previous layer's output: its residual plus its MLP branch
+            residual = total
+            if hidden is not None:
+                hidden.append(residual)
+        else:
+            residual = x
+        attn = layer.self_attn
+        branch = _attention(attn, h, layout, kernel_config, cos, sin, sink, window_of(attn))
+        norm = layer.post_attention_layernorm
+        h, residual = ops.add_rms_norm_values(branch, residual, norm.weight, norm.variance_epsilon, store_sum=True)
+        branch = _mlp(layer.mlp, h)
+    if residual is None:  # no layers
+        return ops.add_rms_norm_values(x, None, final_norm.weight, final_norm.variance_epsilon)[0]
+    y, residual = ops.add_rms_norm_values(
+        branch, residual, final_norm.weight, final_norm.variance_epsilon, store_sum=True
+    )
+    if hidden is not None:
+        hidden.append(residual)
+    return y
