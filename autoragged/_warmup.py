@@ -164,8 +164,9 @@ def _cache_state(cache) -> dict:
 def _bucket_label(key: tuple) -> str:
     """A graph bucket key as a short label: ragged/<io> rows x batch x max_len <config>, or padded/<io> B x L."""
     if key[0] == "ragged":
-        rows, batch, max_len, config, causal, io = key[1:]
-        return f"ragged/{io} {rows} rows, {batch} x {max_len}, {config.short()}{' causal' if causal else ''}"
+        rows, batch, max_len, config, causal, io = key[1:7]
+        inputs = f" ({key[7]})" if len(key) > 7 and key[7] else ""
+        return f"ragged/{io}{inputs} {rows} rows, {batch} x {max_len}, {config.short()}{' causal' if causal else ''}"
     batch, length, io = key[1:]
     return f"padded/{io} {batch} x {length}"
 

@@ -415,3 +415,28 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     p, p64 = want.pooler_output, want64.pooler_output
     assert_within_torch_error(pooled[rows], p[rows], p64[rows], "pooler_output")
     assert (out[1, 6:] == 0).all() and (out[4] == 0).all()  # pads are zeros but a left-padded row's column 0
+
+
+def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_does():
+    """The ragged graph fed a mask runs the embeddings itself from static token ids (`Call.graph_inputs`) when
+    the call gives input_ids (and token types) and nothing it would have to derive differently: no
+    position_ids, no inputs_embeds. ModernBERT's layers are not fused: it has no mask graph at all."""
+    from autoragged.adapters.hf_encoder import HFEncoderCall
+
+    def inputs(family, **extra):
+        model = autoragged.wrap(model_of(family), db=False)
+        body = model._autoragged.ready(model).body
+        kwargs, _ = batch(token_types=extra.pop("types", False))
+        kwargs.update(extra)
+        got = HFEncoderCall(body, model, kwargs, None).graph_inputs()
+        return None if got is None else (got[0], got[1] is kwargs.get("input_ids"), got[2] is not None)
+
+    assert inputs("bert") == ("ids", True, False)
+    assert inputs("roberta", types=True) == ("ids_tt", True, True)
+    assert inputs("bert", position_ids=torch.arange(max(LENGTHS))[None].expand(len(LENGTHS), -1)) is None
+    assert inputs("bert", token_type_ids=torch.zeros(2, 3, dtype=torch.long)) is None  # not the ids' shape
+    assert inputs("modernbert") is None
+    model = autoragged.wrap(model_of("bert"), db=False)
+    body = model._autoragged.ready(model).body
+    embeds = {"inputs_embeds": torch.randn(2, 5, 64), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    assert HFEncoderCall(body, model, embeds, None).graph_inputs() is None

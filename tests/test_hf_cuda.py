@@ -68,12 +68,13 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
         assert (out.last_hidden_state[~keep] == 0).all()
 
 
-@pytest.mark.parametrize("pooler", [False, True])
-def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler):
+@pytest.mark.parametrize(("pooler", "types"), [(False, False), (True, False), (True, True)])
+def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
     same result as the original on real tokens, left padding included. With BERT's first-token pooler, a
     left-padded row's column 0 (a pad the original computes and pools) is a query-only row in the graph
-    (kernels/masked_pack.py): pooler_output and that column must be the original's too."""
+    (kernels/masked_pack.py): pooler_output and that column must be the original's too. The graph runs the
+    embeddings itself, from the token ids (and token types) copied into static buffers."""
     from autoragged.runtime import core
 
     m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=pooler), db=False, sample_every=0)
@@ -83,10 +84,12 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler):
     rt.graph_min_seen = 1
     arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
     kwargs, keep = batch()
+    if types:
+        kwargs["token_type_ids"] = (torch.arange(keep.shape[1], device="cuda")[None] % 3 == 0).long() * keep
     B, L = keep.shape
     rt.mask_shapes[rt._shape_key(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
     plain = model("bert-base", torch.float16, layers=4, pooler=pooler)
-    left = {"input_ids": kwargs["input_ids"].flip(1), "attention_mask": kwargs["attention_mask"].flip(1)}
+    left = {k: v.flip(1) for k, v in kwargs.items()}
     with torch.inference_mode():
         for call, k in ((kwargs, keep), (left, keep.flip(1))):
             m(**call)  # captures (or replays) the mask graph
@@ -104,6 +107,8 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler):
                 torch.testing.assert_close(out.last_hidden_state[:, 0].float(), want.last_hidden_state[:, 0].float(),
                                            rtol=2e-2, atol=2e-2)  # fmt: skip
     assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
+    kept = [k for k in rt.graphs.graphs if k[0] == "ragged" and k[6] == "mask"]
+    assert kept and all(k[7] == ("ids_tt" if types else "ids") for k in kept)  # the embeddings ran in the graph
 
 
 def _syncs(fn) -> int:

@@ -357,5 +357,24 @@ class HFCall(Call):
     def padded_mask(self, module):
         return self.original(module)
 
+    def graph_inputs(self):
+        """("ids" or "ids_tt", input_ids, token_type_ids or None) when the body's embeddings may run inside the
+        graph: input_ids given as (B, L) int64, no inputs_embeds and no position_ids (the graph derives the
+        positions as the original does, from the columns or from the ids); None otherwise."""
+        if not self.body.embeds_in_graph:
+            return None
+        kwargs = self.kwargs
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or kwargs.get("inputs_embeds") is not None:
+            return None
+        if kwargs.get("position_ids") is not None:
+            return None
+        types = kwargs.get("token_type_ids")
+        if types is None:
+            return ("ids", ids, None)
+        if not isinstance(types, torch.Tensor) or types.dtype != torch.long or types.shape != ids.shape:
+            return None
+        return ("ids_tt", ids, types)
+
     def finish(self, y, hidden=None):
         return self.body.output(self.module, self, y, hidden)

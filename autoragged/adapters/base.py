@@ -27,6 +27,8 @@ class Body:
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
                     fed a mask computes a left-padded row's column 0 as a query-only row (kernels/masked_pack.py)
+    embeds_in_graph: the ragged graph fed a mask may compute the embeddings itself from the call's token ids
+                    (`Call.graph_inputs`): the host launches no embedding step before the replay
     padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
     memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
     """
@@ -40,6 +42,7 @@ class Body:
     fused = False
     mask_graph = False
     first_column = False
+    embeds_in_graph = False
     padded_forward = None
     memo: tuple = ()
 
@@ -126,6 +129,11 @@ class Call:
     def finish_padded(self, y):
         """The module's output from a padded graph's result."""
         return y
+
+    def graph_inputs(self):
+        """(mode, token ids, token type ids or None) where the ragged graph fed a mask may compute the
+        embeddings itself (`Body.embeds_in_graph`), or None: the graph then packs `x`."""
+        return None
 
     def original(self, module):
         """The module's own forward on the call as given (for a passthrough)."""

@@ -227,6 +227,9 @@ class _RaggedGraph:
 
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
+        # io="mask": None (the graph packs the caller's x), or "ids" / "ids_tt": the graph runs the body's
+        # embedding step itself on static token ids (and token types), which `run_mask_ids` fills per batch
+        self.inputs = key[6] if len(key) > 6 else None
         body = runtime.body
         D = body.d_model
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
@@ -262,6 +265,19 @@ class _RaggedGraph:
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
                 return values_fn(values, layout, config, causal)
 
+        elif io == "mask" and self.inputs is not None:  # the embeddings too, from static token ids
+            width, embed = max_len, body.embed
+            ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+            types = self.types = torch.zeros_like(ids) if self.inputs == "ids_tt" else None
+            made = {}
+
+            def run():
+                mailbox.fetch()
+                made["x"] = x = embed(module, {"input_ids": ids, "token_type_ids": types})  # (batch, width, D)
+                if x.shape != (batch, width, D) or x.stride(2) != 1:
+                    raise ValueError(f"the embeddings came out {tuple(x.shape)}, not ({batch}, {width}, {D})")
+                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
+
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width = max_len
 
@@ -284,6 +300,8 @@ class _RaggedGraph:
         mailbox.sent(slot)
         if io == "mask":
             self.pads = self.output
+        if self.inputs is not None:
+            self.x = made["x"]  # the captured run's embeddings: the replays write them in place
 
     def replay(self, values: tuple | None = None) -> None:
         """Replay on the batch of args `values` (the head, then any lengths; () for no batch, None for the
@@ -341,6 +359,26 @@ class _RaggedGraph:
         self.replay((*head, mask.data_ptr(), *mask.stride()))
         return out
 
+    def run_mask_ids(self, ids: torch.Tensor, types: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """io="mask" with the embeddings in the graph (`inputs`): as `run_mask`, from the batch's token ids (B, L)
+        int64 (and token types, for inputs "ids_tt"); they are copied into the static ids, whose columns past L
+        keep an earlier batch's (no real token reads them: positions come from the columns or from the ids
+        before them, and the mask covers L columns)."""
+        B, L = ids.shape
+        if B != self.batch or L > self.width or ids.get_device() != self.index:
+            raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.width} long on {self.device}, "
+                             f"got ids {tuple(ids.shape)} on {ids.device}")  # fmt: skip
+        self.ids[:, :L].copy_(ids)
+        if self.types is not None:
+            self.types[:, :L].copy_(types)
+        x = self.x
+        out = torch.empty((B, L, self.d_model), dtype=self.dtype, device=x.device)
+        sx, so = x.stride(), out.stride()
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+        self._check("mask", mask, (B, L), torch.bool)
+        self.replay((x.data_ptr(), out.data_ptr(), sx[0], sx[1], so[0], so[1], B, L, mask.data_ptr(), *mask.stride()))
+        return out
+
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:
         rows = values.shape[0]
         self.values[:rows].copy_(values)
@@ -352,6 +390,8 @@ class _PaddedGraph:
     """io="lengths": the key padding mask is built in the graph from static host-given lengths (`run`);
     io="mask": the caller's mask is copied into a static one (`run_mask`), so no lengths are needed and
     nothing synchronises; the graph also counts each row's pads for the decision record."""
+
+    inputs = None  # (as _RaggedGraph's: it runs the module's own forward on x)
 
     def __init__(self, runtime, module, key, dtype, device, pool):
         batch, length, io = key[1], key[2], key[3]
@@ -817,15 +857,19 @@ class GraphCache:
         _ROW_CHOICE[memo] = best.rows
         return best
 
-    def ragged_mask(self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None, costs=None):
+    def ragged_mask(
+        self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None, costs=None, inputs=None
+    ):
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
         batch rows of the padded bucket's length. `config` must name Triton linears (see io="mask");
-        `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture."""
+        `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture.
+        `inputs`: None (it packs the caller's embeddings), or "ids" / "ids_tt" (`Call.graph_inputs`): it runs
+        the body's embedding step itself (`run_mask_ids`)."""
         if config.backend != "triton":
             raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self._check_params(runtime._parameters(module))
         width = padded_bucket(batch, seq_len)[1]
-        key = ("ragged", batch * width, batch, width, config, causal, "mask")
+        key = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
         make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)  # noqa: E731
         return self._get(key, make, device, "ragged/mask/triton", costs)
 

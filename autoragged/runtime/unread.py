@@ -178,7 +178,7 @@ class UnreadShapes:
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
         cuda = call.device.type == "cuda"
         timed = probe["left"] > 0 and cuda and self.sample_every > 0
-        if timed:
+        if timed and (not arm.ragged or call.graph_inputs() is None):  # (embeddings in the graph: none to queue)
             call.prefetch()
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = timers(call.device)
@@ -236,9 +236,12 @@ class UnreadShapes:
         graph = ref()
         if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
             return None
+        inputs = call.graph_inputs() if shape[1].ragged else None
+        if graph.inputs != (inputs[0] if inputs is not None else None):  # ids now, x then (or the reverse)
+            return None
         shape[2] += 1
         self.count += 1
-        out = graph.run_mask(call.x, call.kpm)
+        out = graph.run_mask(call.x, call.kpm) if inputs is None else graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
         graphs.graphs.move_to_end(graph.key)  # most recently used
         graphs.touch(graph.key)  # its recurrence, for a recapture after an eviction
         record = Record(None, shape[1], shape[3], why, device, self.sig_key)
@@ -264,14 +267,19 @@ class UnreadShapes:
             note = call.eager_only
         else:
             B, L, dtype = call.B, call.L, self._param().dtype
+            inputs = call.graph_inputs() if arm.ragged else None  # the embeddings inside the graph
             if arm.ragged:
                 graph, note = self.graphs.ragged_mask(
-                    self, module, arm.config, False, B, L, dtype, device, tokens or None, costs
-                )
+                    self, module, arm.config, False, B, L, dtype, device, tokens or None, costs,
+                    inputs[0] if inputs is not None else None,
+                )  # fmt: skip
             else:
                 graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask", costs=costs)
             if graph is not None:
-                out = graph.run_mask(call.x, call.kpm)
+                if inputs is not None:
+                    out = graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
+                else:
+                    out = graph.run_mask(call.x, call.kpm)
                 out = call.finish(out) if arm.ragged else call.finish_padded(out)
                 return out, graph.pads, graph.width, None, graph
         if read_instead and arm.ragged and (self.graphs is None or self.graphs.deferred is None):
