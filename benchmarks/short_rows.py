@@ -209,12 +209,12 @@ def bench(name: str, batch: int, args, models, device) -> dict:
         row["mask_call_again"] = t(call)
         if args.host_profile:
             host_profile(f"{name} B={batch}", call)
-            mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[-1] == "mask")
+            mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[0] == "ragged" and k[6] == "mask")
             row["host_steps_us"] = host_steps(f"{name} B={batch}", masked, x, mask, mgraph, replay)
         last = autoragged.recent_decisions(masked, 1)[0]
         if "not read" not in last.reason:
             raise RuntimeError(f"the mask call read its lengths: {last.arm}, {last.reason}")
-        mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[-1] == "mask")
+        mgraph = next(g for k, g in masked._autoragged.graphs.graphs.items() if k[0] == "ragged" and k[6] == "mask")
         row["mask_gpu"] = gpu_ms(lambda: mgraph.run_mask(x, mask))
         missed = int(mgraph.mailbox.state[1])
         if missed:

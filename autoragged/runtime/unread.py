@@ -178,8 +178,9 @@ class UnreadShapes:
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
         cuda = call.device.type == "cuda"
         timed = probe["left"] > 0 and cuda and self.sample_every > 0
-        if timed and (not arm.ragged or call.graph_inputs() is None):  # (embeddings in the graph: none to queue)
-            call.prefetch()
+        if timed:
+            if not arm.ragged or call.graph_inputs() is None:  # (the embeddings in the graph: none to queue)
+                call.prefetch()
             captures = self.graphs.captures if self.graphs is not None else 0
             start, end = timers(call.device)
             start.record()
