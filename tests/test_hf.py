@@ -431,8 +431,10 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
         got = HFEncoderCall(body, model, kwargs, None).graph_inputs()
         return None if got is None else (got[0], got[1] is kwargs.get("input_ids"), got[2] is not None)
 
-    assert inputs("bert") == ("ids", True, False)
+    # one graph mode whether the call gives token types or not (None: zeros, the embeddings' default)
+    assert inputs("bert") == ("ids_tt", True, False)
     assert inputs("roberta", types=True) == ("ids_tt", True, True)
+    assert inputs("distilbert") == ("ids", True, False)  # no token types at all
     assert inputs("bert", position_ids=torch.arange(max(LENGTHS))[None].expand(len(LENGTHS), -1)) is None
     assert inputs("bert", token_type_ids=torch.zeros(2, 3, dtype=torch.long)) is None  # not the ids' shape
     assert inputs("modernbert") is None

@@ -359,8 +359,9 @@ class HFCall(Call):
 
     def graph_inputs(self):
         """("ids" or "ids_tt", input_ids, token_type_ids or None) when the body's embeddings may run inside the
-        graph: input_ids given as (B, L) int64, no inputs_embeds and no position_ids (the graph derives the
-        positions as the original does, from the columns or from the ids); None otherwise."""
+        graph ("ids_tt" for models whose embeddings take token types, given or not): input_ids given as (B, L)
+        int64, no inputs_embeds and no position_ids (the graph derives the positions as the original does, from
+        the columns or from the ids); None otherwise."""
         if not self.body.embeds_in_graph:
             return None
         kwargs = self.kwargs
@@ -370,10 +371,14 @@ class HFCall(Call):
         if kwargs.get("position_ids") is not None:
             return None
         types = kwargs.get("token_type_ids")
-        if types is None:
-            return ("ids", ids, None)
-        if not isinstance(types, torch.Tensor) or types.dtype != torch.long or types.shape != ids.shape:
+        if not self.body.embeds_token_types:
+            return ("ids", ids, None) if types is None else None
+        if types is not None and (
+            not isinstance(types, torch.Tensor) or types.dtype != torch.long or types.shape != ids.shape
+        ):
             return None
+        # one graph for calls with token types and without (a tokenizer gives them, `warmup()` does not): None
+        # is zeros, the embeddings' own default (a non-persistent zeros buffer)
         return ("ids_tt", ids, types)
 
     def finish(self, y, hidden=None):

@@ -43,6 +43,7 @@ class Body:
     mask_graph = False
     first_column = False
     embeds_in_graph = False
+    embeds_token_types = False  # (with embeds_in_graph) the embedding step takes token type ids
     padded_forward = None
     memo: tuple = ()
 

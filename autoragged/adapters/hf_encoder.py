@@ -202,6 +202,8 @@ class HFEncoderBody(_hf.HFBody):
         self.first_column = self.pools_first_token
         # the mask graph runs the model's own embedding module on static token ids (runtime/graphs.py)
         self.embeds_in_graph = self.fused
+        embeddings = getattr(module, "embeddings", None)
+        self.embeds_token_types = getattr(embeddings, "token_type_embeddings", None) is not None
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", 1)
         d_model = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
         self.d_model, self.head_dim = d_model, d_model // max(heads, 1)

@@ -361,16 +361,16 @@ class _RaggedGraph:
 
     def run_mask_ids(self, ids: torch.Tensor, types: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """io="mask" with the embeddings in the graph (`inputs`): as `run_mask`, from the batch's token ids (B, L)
-        int64 (and token types, for inputs "ids_tt"); they are copied into the static ids, whose columns past L
-        keep an earlier batch's (no real token reads them: positions come from the columns or from the ids
-        before them, and the mask covers L columns)."""
+        int64 (and token types for inputs "ids_tt", None meaning zeros); they are copied into the static ids,
+        whose columns past L keep an earlier batch's (no real token reads them: positions come from the columns
+        or from the ids before them, and the mask covers L columns)."""
         B, L = ids.shape
         if B != self.batch or L > self.width or ids.get_device() != self.index:
             raise ValueError(f"this graph runs batches of {self.batch} rows up to {self.width} long on {self.device}, "
                              f"got ids {tuple(ids.shape)} on {ids.device}")  # fmt: skip
         self.ids[:, :L].copy_(ids)
-        if self.types is not None:
-            self.types[:, :L].copy_(types)
+        if self.types is not None:  # no token types given: zeros, the embeddings' own default
+            self.types[:, :L].copy_(types) if types is not None else self.types.zero_()
         x = self.x
         out = torch.empty((B, L, self.d_model), dtype=self.dtype, device=x.device)
         sx, so = x.stride(), out.stride()
