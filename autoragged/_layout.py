@@ -100,7 +100,7 @@ class Layout:
     )
     key_lengths = None  # every row is a key (a CUDA graph's static layout may have query-only rows)
     # The rows a batch fills, as a (1,) device tensor, where only the device knows them: a CUDA graph's
-    # layout built in the graph (autoragged/runtime/graphs.py). Row-wise kernels stop there. A host layout: None.
+    # layout built in the graph (autoragged/runtime/capture.py). Row-wise kernels stop there. A host layout: None.
     live = None
     # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a mask graph's
     # values have room for every row at full length, and a batch fills a fraction. None: x's rows.

@@ -1,6 +1,6 @@
 """Tile sweep of our Triton linear at the row counts a ragged CUDA graph sees, against cuBLAS.
 
-A ragged graph with Triton linears (autoragged/runtime/graphs.py) runs `ragged_linear(..., live=...)`: a fixed
+A ragged graph with Triton linears (autoragged/runtime/capture.py) runs `ragged_linear(..., live=...)`: a fixed
 grid walks the tiles of the rows the batch fills. This measures it that way: for each (shape, rows,
 config, kernel), 10 back-to-back calls captured in one CUDA graph, replayed with CUDA events (median of
 the replays / 10), the input buffer sized for twice the rows (a graph's capacity, as with a mask; rounded

@@ -16,7 +16,7 @@ must be state[0] + 1. A stamp that does not match means no batch was posted for 
 `state[1]` and leaves `state[0]` as it was, so the next posted batch still matches. So every replay must
 post first: a replay that did not (a bare `graph.replay()`) takes the next posted batch if the host has
 written it by the time the kernel runs, and that batch's own replay then finds none; either way a miss is
-counted. The host reuses a slot only once the replay that read it has completed (autoragged/runtime/graphs.py:
+counted. The host reuses a slot only once the replay that read it has completed (autoragged/runtime/capture.py:
 an event per slot), so a queued replay never sees its slot overwritten.
 
 The ring's loads are volatile (system scope): the host rewrites a slot between replays, and a line cached

@@ -1,6 +1,6 @@
 """Padded <-> ragged copies driven by a key padding mask on the device: any padding pattern, no host lengths.
 
-A mask-only batch whose lengths are never read runs a ragged graph (autoragged/runtime/graphs.py, io="mask")
+A mask-only batch whose lengths are never read runs a ragged graph (autoragged/runtime/capture.py, io="mask")
 that packs the batch's real tokens back to back: row b's real tokens (mask False), in order, go to
 values rows offsets[b], offsets[b] + 1, ..., where the graph's layout kernel counted the offsets from the
 same mask (kernels/graph_layout.py). Ranks come from prefix sums of the mask inside each program, so

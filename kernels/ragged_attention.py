@@ -27,7 +27,7 @@ Shape contracts
     key_lengths:    optional (B,), int32 <= lengths — keys of each component: its first key_lengths rows
                     are keys and queries, the rest queries only (they see the keys, no key sees them).
                     A first-token pooler's column 0 of a left-padded row, a pad the original computes
-                    and then pools (runtime/graphs.py, io="mask"). Not causal, no window; at least
+                    and then pools (runtime/capture.py, io="mask"). Not causal, no window; at least
                     1 wherever lengths is (a query with no key has no softmax).
     grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M), or more
                     with entries -1 for spare programs (a grid sized for a CUDA-graph bucket)

@@ -12,6 +12,7 @@ import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
 from autoragged.adapters.torch_encoder import _BASE, TorchCall  # noqa: E402
+from autoragged.runtime import capture as _capture  # noqa: E402
 from autoragged.runtime import graphs as _graphs  # noqa: E402
 
 D, H = 256, 4
@@ -170,7 +171,7 @@ def test_capture_failure_runs_eagerly_with_the_reason(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(_graphs, "_warm_and_capture", broken)
+    monkeypatch.setattr(_capture, "_warm_and_capture", broken)
     enc = autoragged.wrap(encoder(), db=False, policy="auto")
     enc._autoragged.graph_min_seen = 1
     cfg = default_ragged_config(D // H, 128)

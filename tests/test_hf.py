@@ -364,7 +364,7 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", ["bert", "albert", "roberta"])
 def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family):
-    """The ragged graph fed a mask (runtime/graphs.py, io="mask") never reads lengths, so it cannot send a
+    """The ragged graph fed a mask (runtime/capture.py, io="mask") never reads lengths, so it cannot send a
     left-padded batch of a first-token-pooler model to the padded arm as the eager arms do. It computes
     column 0 of such a row (a pad, which the original computes and its pooler reads) as a query-only row:
     here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed,
@@ -373,7 +373,7 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     from autoragged.kernels import graph_layout
 
     from autoragged._planner import graph_config
-    from autoragged.runtime.graphs import _StaticLayout, mask_pass
+    from autoragged.runtime.capture import _StaticLayout, mask_pass
 
     model = autoragged.wrap(model_of(family), db=False, policy="ragged")
     body = model._autoragged.ready(model).body

@@ -15,6 +15,7 @@ import autoragged  # noqa: E402
 from autoragged._costmodel import PADDED, PADDED_GRAPH, Arm  # noqa: E402
 from autoragged._planner import Planner, default_ragged_config, graph_config  # noqa: E402
 from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
+from autoragged.runtime import capture as _capture  # noqa: E402
 from autoragged.runtime import core as dispatch  # noqa: E402
 from autoragged.runtime import graphs as _graphs  # noqa: E402
 
@@ -51,7 +52,7 @@ def execute(enc, arm, lengths, seed=0):
 def test_graphs_captured_while_the_gpu_is_busy_replay_like_eager(monkeypatch, drain):
     """No device drain before a capture (the default): earlier batches may still be running; the graphs must
     replay exactly as captured with the drain (AUTORAGGED_CAPTURE_DRAIN=1) and as the eager arms compute."""
-    monkeypatch.setattr(_graphs, "_DRAIN", drain)
+    monkeypatch.setattr(_capture, "_DRAIN", drain)
     enc = autoragged.wrap(encoder(), db=False)
     enc._autoragged.graph_min_seen = 1
     cfg = default_ragged_config(D // H, 128)

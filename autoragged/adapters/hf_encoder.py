@@ -200,7 +200,7 @@ class HFEncoderBody(_hf.HFBody):
         # column as a query-only row of its own (kernels/masked_pack.py, first_column), as the original does
         self.mask_graph = self.fused
         self.first_column = self.pools_first_token
-        # the mask graph runs the model's own embedding module on static token ids (runtime/graphs.py)
+        # the mask graph runs the model's own embedding module on static token ids (runtime/capture.py)
         self.embeds_in_graph = self.fused
         embeddings = getattr(module, "embeddings", None)
         self.embeds_token_types = getattr(embeddings, "token_type_embeddings", None) is not None

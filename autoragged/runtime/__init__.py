@@ -1,2 +1,2 @@
 """The runtime every model family shares: per batch lengths -> stats -> plan -> arm -> record
-(core.py), the CUDA-graph arms (graphs.py), and the decision records (records.py)."""
+(core.py), the CUDA-graph arms (capture.py) and their cache (graphs.py), the decision records (records.py)."""
