@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a budget of one minute: one signature, fewer configs")  # fmt: skip
     p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
     p.add_argument("--model", metavar="SPEC", help="calibrate for your own model: MODULE:FACTORY (FACTORY() returns "
-                   "an nn.Module holding nn.TransformerEncoder(s) or an HF encoder; its device and dtype are used as "
-                   "they are), or an HF config: a config.json path or one of the built-in shapes "
+                   "an nn.Module holding nn.TransformerEncoder(s), an HF encoder or decoder; its device and dtype are "
+                   "used as they are), or an HF config: a config.json path or one of the built-in shapes "
                    f"({', '.join(_hf_shapes())}), built with random weights (nothing is downloaded)")  # fmt: skip
     p.add_argument("--signatures", nargs="+", choices=_signature_names(), help="built-in models to calibrate "
                    "(default: cora bert-base hf-bert-base on GPU, cpu-small on CPU)")  # fmt: skip
@@ -112,9 +112,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _hf_shapes() -> list[str]:
-    from .workloads import HF_SHAPES
+    from .workloads import HF_SHAPES, LLM_SHAPES
 
-    return sorted(HF_SHAPES)
+    return sorted(HF_SHAPES) + sorted(LLM_SHAPES)
 
 
 def _signature_names() -> list[str]:

@@ -100,8 +100,8 @@ HF_SHAPES = {
 
 
 def hf_config(name: str):
-    """A transformers config for one of HF_SHAPES, or read from a config.json path (transformers is imported
-    here, lazily: it is an optional dependency)."""
+    """A transformers config for one of HF_SHAPES or LLM_SHAPES, or read from a config.json path (transformers is
+    imported here, lazily: it is an optional dependency)."""
     import json
     import os
 
@@ -109,6 +109,8 @@ def hf_config(name: str):
         import transformers
     except ImportError as e:
         raise ImportError("HF model shapes need transformers: pip install 'autoragged[transformers]'") from e
+    if name in LLM_SHAPES:
+        return llm_config(name)
     if name in HF_SHAPES:
         model_type, hidden, layers, heads, ff, vocab = HF_SHAPES[name]
         extra = {}
@@ -125,7 +127,8 @@ def hf_config(name: str):
         if "model_type" not in data:
             raise ValueError(f"{path} has no model_type: not a transformers config.json")
         return transformers.AutoConfig.for_model(**data)
-    raise ValueError(f"unknown HF model {name!r}: one of {sorted(HF_SHAPES)} or a config.json path")
+    known = sorted(HF_SHAPES) + sorted(LLM_SHAPES)
+    raise ValueError(f"unknown HF model {name!r}: one of {known} or a config.json path")
 
 
 # -- decoder LLM shapes and document mixes (random weights and token ids: nothing is downloaded) ---------------

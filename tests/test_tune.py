@@ -277,6 +277,27 @@ def test_an_hf_config_is_calibrated_and_its_wrapped_model_uses_the_fit(tmp_path,
     assert "learned" in autoragged.recent_decisions(model, 1)[0].reason
 
 
+def test_a_decoder_config_is_calibrated_and_its_wrapped_model_uses_the_fit(tmp_path, monkeypatch):
+    """A decoder LLM's config.json (Qwen2, grouped-query heads): measured as a causal HF body, its signature
+    names the family, and the wrapped model's decisions come from the fit."""
+    transformers = pytest.importorskip("transformers")
+    from autoragged import _ragged, ops
+
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)  # the interpreter is too slow for a calibration
+    monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
+    config = transformers.Qwen2Config(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    assert _run_tune(tmp_path, "--model", str(tmp_path / "config.json"), "--budget", "5", "--max-batches", "22") == 0
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        sigs = {m.signature for m in db.measurements()}
+    assert len(sigs) == 1 and next(iter(sigs)).startswith("hf-qwen2:2x64/2h/ff128:silu:pre:float32")
+    model = autoragged.wrap(transformers.Qwen2ForCausalLM(config).eval(), db=tmp_path / "t.sqlite")
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 200, (3, 9)), lengths=[9, 4, 1], use_cache=False)
+    assert "learned" in autoragged.recent_decisions(model, 1)[0].reason
+
+
 @pytest.mark.parametrize(
     "spec, words", [("nope", "package.module:factory"), ("no_such_module_xyz:f", "cannot load it")]
 )
