@@ -65,7 +65,7 @@ __all__ = ["ADAPTER", "FAMILIES"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Llama-style layers run by our fused kernels where they can (adapters/_fused_decoder.py); False: always the
-# model's own modules (benchmarks/llm_table.py --module-layers compares the two)
+# model's own modules (the bins_modules column of benchmarks/llm_table.py, and benchmarks/llm_layers.py)
 FUSED_LAYERS = True
 
 
