@@ -5,6 +5,7 @@ read's cost, `autoragged.warmup`, and the stream benchmark's smoke run."""
 import json
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -93,6 +94,21 @@ def test_a_bucket_is_captured_once_its_recurrence_repays_the_capture(fake_device
     assert graph is None and note == _graphs.FIRST_SIGHT
     graph, note = fast._get("forced", _make(fake_device), "cuda", "single", None)
     assert isinstance(graph, _Fake) and note is None and graph.key == "forced"
+
+
+def test_a_trusted_shapes_mask_graph_is_captured_at_its_first_sight(fake_device, monkeypatch):
+    """A shape trusted to run the ragged graph fed the mask (judged twice, runtime/unread.py) has recurred
+    already: its graph is captured at the key's first lookup, where an untrusted lookup waits for a second."""
+    from autoragged.kernels import KernelConfig
+
+    monkeypatch.setattr(_graphs, "_RaggedGraph", lambda *args: _Fake())
+    runtime = types.SimpleNamespace(_parameters=lambda module: [])
+    config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
+    cache = _graphs.GraphCache()
+    args = (runtime, None, config, False, 32, 50, torch.float16, "cuda")
+    assert cache.ragged_mask(*args)[1] == _graphs.FIRST_SIGHT
+    graph, note = cache.ragged_mask(*args[:5], 120, *args[6:], trusted=True)  # another length bucket: a new key
+    assert isinstance(graph, _Fake) and note is None and len(cache.graphs) == 1 and len(cache.seen) == 2
 
 
 def test_a_rare_bucket_waits_while_a_frequent_one_is_captured_at_once(fake_device):

@@ -241,13 +241,14 @@ class GraphCache:
         return replays * saving >= cost
 
     # -- lookups and captures --------------------------------------------------------------------------------
-    def _get(self, key, make, device=None, kind="single", costs: tuple[float, float] | None = None):
+    def _get(self, key, make, device=None, kind="single", costs: tuple[float, float] | None = None, min_seen=None):
         """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time.
 
         costs: (ms of the best eager arm, ms of this graph) as the runtime predicts them; given, the capture
         must pay (`worth`) and happens after the batch ran eagerly (`deferred`, then `capture_deferred`);
         None (the tuner, the benchmarks' forced arms): captured now, at the min_seen-th sight. kind: the
-        capture's cost class (a string, or a callable that makes it)."""
+        capture's cost class (a string, or a callable that makes it). min_seen: this lookup's own (default: the
+        cache's)."""
         entry = self.touch(key)
         graph = self.graphs.get(key)
         if graph is not None:
@@ -255,7 +256,7 @@ class GraphCache:
             return graph, None
         if key in self.failed:
             return None, f"graph capture failed earlier: {self.failed[key]}"
-        if entry[2] < self.min_seen:
+        if entry[2] < (self.min_seen if min_seen is None else min_seen):
             return None, FIRST_SIGHT
         if self.limit_bytes is not None and self.kept_bytes >= self.limit_bytes:
             return None, BOUND
@@ -382,20 +383,23 @@ class GraphCache:
         return best
 
     def ragged_mask(
-        self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None, costs=None, inputs=None
-    ):
+        self, runtime, module, config, causal, batch, seq_len, dtype, device, tile_rows=None, costs=None, inputs=None,
+        trusted=False,
+    ):  # fmt: skip
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
         batch rows of the padded bucket's length. `config` must name Triton linears (see io="mask");
         `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture.
         `inputs`: None (it packs the caller's embeddings), or "ids" / "ids_tt" (`Call.graph_inputs`): it runs
-        the body's embedding step itself (`run_mask_ids`)."""
+        the body's embedding step itself (`run_mask_ids`). `trusted`: the lookup of a shape judged to win on
+        this arm (runtime/unread.py), whose recurrence its verdict established already: captured at the first
+        sight of the key, where a batch would otherwise read its mask once more."""
         if config.backend != "triton":
             raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self._check_params(runtime._parameters(module))
         width = padded_bucket(batch, seq_len)[1]
         key = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
         make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)  # noqa: E731
-        return self._get(key, make, device, "ragged/mask/triton", costs)
+        return self._get(key, make, device, "ragged/mask/triton", costs, 1 if trusted else None)
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths", costs=None):
         self._check_params(runtime._parameters(module))

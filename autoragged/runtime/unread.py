@@ -272,7 +272,7 @@ class UnreadShapes:
             if arm.ragged:
                 graph, note = self.graphs.ragged_mask(
                     self, module, arm.config, False, B, L, dtype, device, tokens or None, costs,
-                    inputs[0] if inputs is not None else None,
+                    inputs[0] if inputs is not None else None, trusted=True,
                 )  # fmt: skip
             else:
                 graph, note = self.graphs.padded(self, module, B, L, dtype, device, io="mask", costs=costs)
