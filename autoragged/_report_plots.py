@@ -9,8 +9,9 @@ import math
 import statistics
 from collections import defaultdict
 
+from ._report_render import _shown
 from ._rollup import forced as _forced
-from .report import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib, _shown
+from .report import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
 from .tuning_db import Decision
 
 __all__ = ["images"]
