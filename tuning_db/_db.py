@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import random
 import sqlite3
 import threading
 import time
@@ -30,6 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._connect import (
+    BUSY_TIMEOUT_S,
+    ENV_VAR,
+    _check_location,
+    _check_readable,
+    _connect,
+    _connect_optuna,
+    _connect_readonly,
+    _migrate,
+)  # fmt: skip
 from ._errors import DatabaseError, RowError, explain
 from ._rows import (
     BadRow,
@@ -43,12 +52,7 @@ from ._rows import (
 )  # fmt: skip
 from .migrations import (
     DATA_TABLES,
-    MIGRATIONS,
-    MIGRATIONS_TABLE,
-    READER_OPTIONAL,
     applied_migrations,
-    migrate,
-    unknown_migrations,
     write_transaction,
 )
 from .records import (
@@ -75,8 +79,6 @@ __all__ = [
 
 log = logging.getLogger("autoragged")
 
-ENV_VAR = "AUTORAGGED_DB"
-BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another process's write transaction before failing
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
 
 
@@ -278,117 +280,6 @@ def _where(**filters: Any) -> tuple[str | None, list[Any]]:
         clauses.append("time >= ?" if column == "since" else f"{column} = ?")
         args.append(_key(value))
     return (" AND ".join(clauses) or None), args
-
-
-# ------------------------------------------------------------------------------------------- opening
-
-
-def _check_location(path: Path) -> None:
-    """Fail early, with the remedy, on a path SQLite could only report as 'unable to open database file'."""
-    if path.is_dir():
-        raise DatabaseError(
-            f"the tuning database path {path} is a directory; pass path= or set {ENV_VAR} to a file, "
-            f"e.g. {path / 'tuning.sqlite'}"
-        )
-    parent = path.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DatabaseError(
-            f"cannot create the directory {parent} for the tuning database {path} ({e}); "
-            f"pass path= or set {ENV_VAR} to a file in a writable directory"
-        ) from e
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DatabaseError(
-            f"the directory {parent} of the tuning database {path} is not writable (SQLite keeps "
-            f"{path.name}-wal and {path.name}-shm beside the file); make it writable or set {ENV_VAR} elsewhere"
-        )
-
-
-def _journal_mode_wal(conn: sqlite3.Connection) -> str:
-    """Switch to WAL, retrying while another process holds the lock: the switch needs an exclusive lock and
-    SQLite can report "database is locked" at once instead of waiting out the busy timeout (seen when four
-    processes opened a fresh file together, tests/test_tuning_db.py)."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    delay = 0.002
-    while True:
-        try:
-            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-            if mode != "wal":
-                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            return mode
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 0.1)
-
-
-def _decode_text(data: bytes) -> str:
-    """TEXT as str; invalid UTF-8 (a damaged row) is replaced rather than failing the whole query."""
-    return data.decode("utf-8", "replace")
-
-
-def _connect_optuna(path: str) -> sqlite3.Connection:
-    return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    """A connection with explicit transactions, usable from any thread, in WAL mode."""
-    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
-    conn.text_factory = _decode_text
-    try:
-        mode = _journal_mode_wal(conn)
-        if mode != "wal":
-            log.warning("tuning database %s cannot use WAL (journal_mode=%s); writers will wait on readers", path, mode)
-        # In WAL mode NORMAL survives a killed process (commits are in the WAL); a power cut may lose the
-        # last transactions but never corrupts the file. FULL would fsync every flush of decisions.
-        conn.execute("PRAGMA synchronous=NORMAL")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _check_not_newer(db: sqlite_utils.Database, path: Path) -> None:
-    unknown = unknown_migrations(applied_migrations(db))
-    if unknown:
-        raise DatabaseError(
-            f"the tuning database {path} was written by a newer autoragged (schema migrations unknown here: "
-            f"{', '.join(unknown)}); upgrade autoragged, or set {ENV_VAR} to another file"
-        )
-
-
-# ----------------------------------------------------------------------------------------------- API
-
-
-def _connect_readonly(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(
-        f"{path.as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
-    )
-    conn.text_factory = _decode_text
-    return conn
-
-
-def _migrate(db: sqlite_utils.Database, path: Path) -> None:
-    _check_not_newer(db, path)
-    applied = migrate(db)
-    _check_not_newer(db, path)  # a newer process may have migrated while we did
-    log.debug("tuning database %s open (schema %d, applied now: %s)", path, len(MIGRATIONS), applied)
-
-
-def _check_readable(db: sqlite_utils.Database, path: Path) -> None:
-    """A reader must not change a file it was merely pointed at: refuse what it would have to migrate."""
-    _check_not_newer(db, path)
-    applied = applied_migrations(db)
-    if not applied:
-        raise DatabaseError(f"{path} is not a tuning database (it has no {MIGRATIONS_TABLE} table)")
-    missing = [name for name, _ in MIGRATIONS if name not in applied and name not in READER_OPTIONAL]
-    if missing:
-        raise DatabaseError(
-            f"the tuning database {path} is at an older schema (missing {', '.join(missing)}); open it "
-            "read-write once to migrate it, e.g. python -m autoragged.tune --refit"
-        )
 
 
 class TuningDB:
