@@ -139,12 +139,31 @@ def test_llama_style_layers_take_the_fused_kernels_and_others_say_why_not():
         and "not Llama-style" in fused["gpt2"]
     )
     assert "activation 'gelu'" in _body(autoragged.wrap(model_of("llama", hidden_act="gelu"), db=False)).unfused
+    partial = _body(autoragged.wrap(model_of("llama", partial_rotary_factor=0.5), db=False)).unfused
+    assert partial == "partial rotary embeddings"
     replaced = model_of("qwen2")
     replaced.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(64)
     assert "layer 1: post_attention_layernorm is a LayerNorm" in _body(autoragged.wrap(replaced, db=False)).unfused
-    partial = model_of("llama")
-    partial.model.layers[0].mlp.up_proj = torch.nn.Sequential(partial.model.layers[0].mlp.up_proj)
-    assert "layer 0: mlp.up_proj is not an nn.Linear" in _body(autoragged.wrap(partial, db=False)).unfused
+    wrapped = model_of("llama")
+    wrapped.model.layers[0].mlp.up_proj = torch.nn.Sequential(wrapped.model.layers[0].mlp.up_proj)
+    assert "layer 0: mlp.up_proj is not an nn.Linear" in _body(autoragged.wrap(wrapped, db=False)).unfused
+
+
+def test_fused_layers_with_biases_and_a_norm_kept_in_fp32(monkeypatch):
+    """Llama with attention and MLP biases runs fused and computes the original; a norm whose weight is not
+    the model's dtype sends the layers to the model's own modules, with the reason (our kernels take one dtype)."""
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("llama", attention_bias=True, mlp_bias=True), db=False, policy="ragged")
+    assert _body(model).unfused is None
+    kwargs, keep = batch(side="left")
+    with torch.no_grad():
+        out = model(**kwargs, use_cache=False)
+    want, want64 = originals(model, {**kwargs, "use_cache": False})
+    check_close("llama with biases", out.logits, want.logits, want64.logits, keep)
+    mixed = model_of("qwen2").to(torch.bfloat16)
+    mixed.model.layers[0].input_layernorm.float()
+    reason = _body(autoragged.wrap(mixed, db=False, policy="ragged")).unfused
+    assert reason == "layer 0: input_layernorm's weight is torch.float32, the model torch.bfloat16"
 
 
 @pytest.mark.parametrize("family, dtype", [("qwen2", torch.bfloat16), ("qwen3", torch.float32)])
