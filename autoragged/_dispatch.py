@@ -112,6 +112,9 @@ def wrap(
         runtime.preload()
         if runtime.static_reason:
             padded_forever.append(f"{type(module).__name__} ({runtime.sig_key}): {runtime.static_reason}")
+    for adapter in {id(a): a for a, _ in targets}.values():  # containers of the wrapped modules (sentence-transformers)
+        if hasattr(adapter, "install_container"):
+            adapter.install_container(model)
     if padded_forever or skipped:
         lines = [f"{m}: always runs padded" for m in padded_forever] + [f"not wrapped: {m}" for m in skipped]
         log.warning("autoragged.wrap(%s): %s", type(model).__name__, "; ".join(lines))
@@ -146,6 +149,9 @@ def _unwrap_one(module: nn.Module) -> None:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Put the original classes back (recorded decisions are flushed). Returns `model`."""
+    for adapter in adapters_for(model):
+        if hasattr(adapter, "uninstall_container"):
+            adapter.uninstall_container(model)
     for module in list(model.modules()):
         if hasattr(module, "_autoragged"):
             _unwrap_one(module)

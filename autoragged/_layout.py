@@ -31,7 +31,7 @@ def as_lengths(lengths: object, *, name: str = "lengths") -> tuple[int, ...]:
     Accepts a sequence of ints, a numpy integer array or a CPU integer tensor. A CUDA tensor is refused:
     reading it would be a hidden device->host sync.
     """
-    if type(lengths) in (tuple, list) and (not lengths or set(map(type, lengths)) == _INT_ONLY):
+    if type(lengths) in (tuple, list, HostLengths) and (not lengths or set(map(type, lengths)) == _INT_ONLY):
         out = tuple(lengths)  # the hot path: a host sequence of plain ints
     else:
         if isinstance(lengths, torch.Tensor):
@@ -58,6 +58,14 @@ def as_lengths(lengths: object, *, name: str = "lengths") -> tuple[int, ...]:
         i = next(i for i, v in enumerate(out) if v < 0)
         raise ValueError(f"{name}[{i}] = {out[i]} is negative; lengths must be >= 0")
     return out
+
+
+class HostLengths(tuple):
+    """Host lengths read from the very padding mask of the call they come with, before that mask moved to the
+    device (sentence-transformers' tokenizer output, adapters/_sentence.py): the runtime takes them as given,
+    without reading the mask back to check them (a device->host sync)."""
+
+    __slots__ = ()
 
 
 def _is_index(v: object) -> bool:

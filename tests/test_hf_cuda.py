@@ -18,6 +18,7 @@ import autoragged  # noqa: E402
 from autoragged._costmodel import Arm  # noqa: E402
 from autoragged._measure import ArmRunner  # noqa: E402
 from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
+from autoragged.adapters import _sentence  # noqa: E402
 from autoragged.workloads import hf_config  # noqa: E402
 
 LENGTHS = (100, 7, 63, 1, 128, 30)
@@ -141,3 +142,35 @@ def test_lengths_never_sync_and_a_mask_syncs_once(policy):
     if ran.arm != "padded":
         assert with_mask == (0 if "lengths not read" in ran.reason else 1), ran
     assert policy == "auto" or ran.arm == "ragged"
+
+
+@pytest.mark.parametrize("policy", ["ragged", "auto"])
+def test_sentence_transformers_batches_reach_the_model_without_a_sync(policy, tmp_path):
+    """ST's tokenizer output carries host lengths (adapters/_sentence.py): its forward never reads the mask;
+    the same features without them read it once, unless the padded arm or the graph fed the mask serves them."""
+    st_mod = pytest.importorskip("sentence_transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(500)]
+    (tmp_path / "vocab.txt").write_text("\n".join(words))
+    transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    config = hf_config("MiniLM-L12-H384")
+    config.num_hidden_layers, config.vocab_size = 2, len(words)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    st = st_mod.SentenceTransformer(str(tmp_path), device="cuda").half().eval()
+    texts = [" ".join(f"w{(i * 7 + j) % 500}" for j in range(n)) for i, n in enumerate(LENGTHS)]
+    with torch.inference_mode():
+        want = st.encode(texts, convert_to_tensor=True)
+        autoragged.wrap(st, db=False, policy=policy, sample_every=0)
+        features = {k: v.cuda() if torch.is_tensor(v) else v for k, v in st.tokenize(texts).items()}
+        assert _sentence._KEY in features
+        for _ in range(3):
+            st.forward(dict(features))
+        hinted = _syncs(lambda: st.forward(dict(features)))
+        ran = autoragged.recent_decisions(st, 1)[0]
+        assert hinted == 0 or ran.arm == "padded", ran
+        unhinted = {k: v for k, v in features.items() if k != _sentence._KEY}
+        read = _syncs(lambda: st.forward(dict(unhinted)))
+        ran = autoragged.recent_decisions(st, 1)[0]
+        if policy == "ragged":
+            assert read == 1, ran
+        got = st.encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # fp16 embeddings, two paths

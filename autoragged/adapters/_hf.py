@@ -34,6 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import attention_values
+from ._sentence import hinted_lengths
 from .base import Body, Call, EpochCache
 
 __all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked", "current_call",
@@ -228,6 +229,8 @@ class _Forward:
             if len(args) > len(self.params):
                 raise TypeError(f"{type(module).__name__}.forward takes {len(self.params)} positional arguments")
             kwargs.update(zip(self.params, args))
+        if lengths is None:  # sentence-transformers' tokenizer may have read the mask's lengths on the host
+            lengths = hinted_lengths(kwargs.get("attention_mask"))
         call = self.call_type(runtime.body, module, kwargs, lengths)
         token = _CALL.set(call)  # as call.scope(), without a generator's overhead on the hot path
         try:

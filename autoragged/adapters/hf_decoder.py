@@ -59,7 +59,7 @@ from .._ragged import RaggedTensor, _from_padded, _to_padded
 from ..kernels import ragged_attention as k_attn
 from ..runtime.core import _mask_rows, pad_mask
 from ..tuning_db import ModuleSignature
-from . import _fused_decoder, _hf
+from . import _fused_decoder, _hf, _sentence
 
 __all__ = ["ADAPTER", "FAMILIES"]
 
@@ -449,6 +449,13 @@ class HFDecoderAdapter:
 
     def uninstall(self, module) -> None:
         _hf.uninstall(module)
+
+    def install_container(self, model: nn.Module) -> None:
+        """sentence-transformers' input module around a wrapped base model: host lengths from its tokenizer."""
+        _sentence.install(model)
+
+    def uninstall_container(self, model: nn.Module) -> None:
+        _sentence.uninstall(model)
 
 
 ADAPTER = HFDecoderAdapter()

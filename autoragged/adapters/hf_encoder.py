@@ -39,7 +39,7 @@ from transformers.activations import GELUActivation
 from .._encoder import EncoderLayerSpec, encoder_values
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
-from . import _hf
+from . import _hf, _sentence
 from .base import EpochCache
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -299,6 +299,13 @@ class HFEncoderAdapter:
 
     def uninstall(self, module) -> None:
         _hf.uninstall(module)
+
+    def install_container(self, model: nn.Module) -> None:
+        """sentence-transformers' input module around a wrapped base model: host lengths from its tokenizer."""
+        _sentence.install(model)
+
+    def uninstall_container(self, model: nn.Module) -> None:
+        _sentence.uninstall(model)
 
 
 ADAPTER = HFEncoderAdapter()

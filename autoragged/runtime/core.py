@@ -41,7 +41,7 @@ from .._buckets import LADDER_VERSION
 from .._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from .._device import device_key
 from .._epoch import param_epoch
-from .._layout import Layout, as_lengths
+from .._layout import HostLengths, Layout, as_lengths
 from .._planner import GRAPH_BACKENDS, Plan, Planner, default_ragged_config, graph_config
 from .._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
 from .._recorder import RECORDER
@@ -396,7 +396,8 @@ class Runtime(UnreadShapes):
             lens = as_lengths(lengths)
             if len(lens) != B:
                 raise ValueError(f"got {len(lens)} lengths for a batch of {B}")
-            if kpm is not None and self.validate_lengths and kpm.dtype == torch.bool:
+            checked = self.validate_lengths and not isinstance(lengths, HostLengths)
+            if kpm is not None and checked and kpm.dtype == torch.bool:
                 from_mask, not_prefix = mask_lengths(kpm, batch=B, seq_len=L)
                 if from_mask != lens:
                     i = next(i for i, (a, b) in enumerate(zip(lens, from_mask)) if a != b)
