@@ -25,6 +25,8 @@ Shape contracts
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,8 @@ __all__ = [
     "ACTIVATIONS",
     "prune",
     "default_config",
+    "sibling_tiles",
+    "compile_sibling_tiles",
 ]
 
 ACTIVATIONS = (None, "relu", "gelu")
@@ -350,6 +354,7 @@ def ragged_linear(
     if tma and not usable:
         raise ValueError("tma=True, but TMA cannot address these tensors here (needs sm90+ and 16-byte alignment)")
     if usable and tma is not False:
+        compile_sibling_tiles(x, weight, bias_arg, live_arg, N, K, flags, config)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
         y_desc = TensorDescriptor.from_tensor(out, [bm, bn])
@@ -364,6 +369,71 @@ def ragged_linear(
         **flags, EVEN_K=K % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+# -- the other row buckets' tiles, compiled off the caller's path -------------------------------------------------
+# The tiles are constexprs, so a batch whose rows fall in a bucket of `default_config` not seen yet needs another
+# compiled variant of the TMA kernel: compiled on first sight, that took 0.66 s inside a timed stream of new
+# batches (bert-base's graph fed the mask captured for RACE B=32 after CoLA and MNLI had run,
+# `benchmarks/stream_table.py --quick --models bert-base`, H100, 2026-11-25: 17.0 ms a batch against 5.8 with
+# lengths=). So the first launch of a variant (dtype, flags, N and K) outside a graph capture hands the other
+# buckets' tiles to one background thread, which compiles them without launching (Triton's `warmup`: no module
+# is loaded, no memory allocated); a launch that comes before its compile has finished compiles it itself.
+_BUCKET_TILES = (_SMALL, _MID, _LARGE)
+_TILE_FLAGS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+_siblings_done: set = set()
+_compiler = None
+
+
+def _sibling_key(x, N: int, K: int, flags: dict) -> tuple:
+    """What a variant's specialization depends on besides its tiles (ints specialize on divisibility by 16)."""
+    rest = tuple(sorted((k, v) for k, v in flags.items() if k not in _TILE_FLAGS))
+    return x.dtype, x.device, N % 16 == 0, K % 16 == 0, N == 1, K == 1, rest
+
+
+def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]:
+    """The row buckets' default tiles (fitted to shared memory) other than `config`'s."""
+    tiles = {fit_shared_memory(t, element_size) for t in _BUCKET_TILES}
+    return sorted((t for t in tiles if t != config), key=lambda t: (t.block_m, t.block_n))
+
+
+def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig) -> None:
+    global _compiler
+    if interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return
+    key = _sibling_key(x, N, K, flags)
+    if key in _siblings_done:
+        return
+    _siblings_done.add(key)
+    jobs = []
+    for tiles in sibling_tiles(config, x.element_size()):
+        bk = min(tiles.block_k, max(16, triton.next_power_of_2(K)))
+        x_small = torch.empty((16, K), dtype=x.dtype, device=x.device)  # 16 rows: M is not specialized on
+        out_small = torch.empty((16, N), dtype=x.dtype, device=x.device)
+        descs = (TensorDescriptor.from_tensor(x_small, [tiles.block_m, bk]),
+                 TensorDescriptor.from_tensor(weight, [tiles.block_n, bk]),
+                 TensorDescriptor.from_tensor(out_small, [tiles.block_m, tiles.block_n]))  # fmt: skip
+        tile_flags = {**flags, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": bk,
+                      "GROUP_M": tiles.group_m}  # fmt: skip
+        jobs.append((descs, tile_flags, tiles))
+    if not jobs:
+        return
+    if _compiler is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoragged-compile")
+    _compiler.submit(_compile_jobs, x.device, jobs, bias_arg, live_arg, N, K)
+
+
+def _compile_jobs(device, jobs, bias_arg, live_arg, N: int, K: int) -> None:
+    with torch.cuda.device(device):
+        for descs, tile_flags, tiles in jobs:
+            try:
+                _linear_tma_kernel.warmup(*descs, bias_arg, live_arg, 16, N, K, **tile_flags,
+                                          NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps,
+                                          num_stages=tiles.num_stages, grid=(1,))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - such a variant compiles (and fails loudly) where it is used
+                logging.getLogger("autoragged").debug("compiling linear tiles %s ahead failed: %s", tiles.short(), e)
 
 
 def cublas_linear(

@@ -104,3 +104,40 @@ def test_a_new_row_count_compiles_no_new_kernel():
         torch.cuda.synchronize()
         seen = seen if seen is not None else _compiled(*fns)
         assert _compiled(*fns) == seen, f"rows={rows} compiled a new kernel"
+
+
+def test_the_other_row_buckets_tiles_compile_in_the_background():
+    """The first launch of a TMA linear variant hands the other row buckets' tiles to a background compile:
+    a later batch in another bucket launches without compiling on the caller's thread (0.66 s inside a stream
+    before), and computes the reference's result."""
+    import threading
+
+    from autoragged.kernels import ragged_linear as k_lin
+    from triton import knobs
+
+    on_caller: list[str] = []
+    caller = threading.current_thread()
+
+    def hook(**kw):
+        if threading.current_thread() is caller:
+            on_caller.append(kw["fn"].name)
+
+    k_lin._linear_tma_kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
+    k_lin._siblings_done.clear()
+    before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
+    try:
+        N, K = 400, 208
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        first = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
+        k_lin.ragged_linear(first, w, b, "relu", k_lin.default_config(N, K, 64))
+        assert on_caller == ["_linear_tma_kernel"]  # the small tiles, compiled where they were needed
+        k_lin._compiler.submit(lambda: None).result()  # one worker: the sibling compiles have finished
+        for rows in (3000, 20000):
+            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+            config = k_lin.default_config(N, K, rows)
+            got = k_lin.ragged_linear(x, w, b, "relu", config)
+            torch.testing.assert_close(got, k_lin.ragged_linear_ref(x, w, b, "relu"), atol=0.1, rtol=0.02)
+        assert on_caller == ["_linear_tma_kernel"], on_caller
+    finally:
+        knobs.runtime.jit_post_compile_hook = before

@@ -692,3 +692,17 @@ def test_registered_op_carries_groups_and_window(device):
     ref = k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths, causal=True, window=(4, 0))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ref, k_attn.ragged_attention_ref(q, k, v, rt.layout.offsets, rt.lengths, causal=True))
+
+
+def test_sibling_tiles_are_the_other_row_buckets():
+    """The tiles compiled ahead for a TMA linear variant: the row buckets' defaults other than the one used,
+    fitted to shared memory (fp32 halves what fits); in the interpreter nothing is compiled ahead."""
+    small, mid, large = (k_lin.default_config(512, 512, rows) for rows in (64, 3000, 20000))
+    assert len({small, mid, large}) == 3
+    assert k_lin.sibling_tiles(small, 2) == [mid, large]
+    assert k_lin.sibling_tiles(large, 2) == [small, mid]
+    assert all(k_lin.fit_shared_memory(t, 4) == t for t in k_lin.sibling_tiles(small, 4))
+    before = set(k_lin._siblings_done)
+    x = torch.randn(8, 32)
+    k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, {"HAS_BIAS": False}, small)
+    assert k_lin._siblings_done == before
