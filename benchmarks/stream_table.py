@@ -32,7 +32,8 @@ HF bert-base (random weights, fp16, sdpa): hf_sdpa (the model's own padded forwa
 modules on packed tokens, varlen_attn), ragged, ragged_graph, auto, auto_lengths (and the optional ones).
 For wrapped columns the JSON also has, over the timed stream, the arms that ran, the batches that read their
 lengths from the mask, and the graphs captured (and their ms), evicted and declined: where a column loses,
-that says whether to captures inside the stream, to the cap, or to the choice of arm.
+that says whether to captures inside the stream, to the cap, or to the choice of arm; and the Triton compiles
+each column paid inside its timed stream (kernels by name, seconds; logged through triton.knobs' JIT hooks).
 
 --fresh-process: each run is a new Python process whose TRITON_CACHE_DIR is a new empty directory (as after
 a deploy), run twice (the second process finds the first one's Triton cache, as a restart would). Per row:
@@ -265,6 +266,47 @@ def _what_ran(model, n: int) -> dict:
     return {"arms": arms, "mask_reads": reads}
 
 
+class CompileLog:
+    """Triton compiles as they happen (kernel name, seconds), through triton.knobs' JIT hooks: which ones a
+    timed stream pays (a cache hit on disk is logged too, with its load time)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float]] = []
+        self._start: dict = {}
+
+    def install(self) -> bool:
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        runtime = knobs.runtime
+        if not hasattr(runtime, "jit_post_compile_hook"):
+            return False
+
+        def before(**kw):
+            self._start[kw.get("key")] = time.perf_counter()
+            return False  # (True would skip the compile)
+
+        def after(**kw):
+            t0 = self._start.pop(kw.get("key"), None)
+            fn = kw.get("fn")
+            self.events.append((getattr(fn, "name", "?"), 0.0 if t0 is None else time.perf_counter() - t0))
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+        return True
+
+    def since(self, n: int) -> dict:
+        """Compiles logged after the first n: count, seconds, and count by kernel."""
+        events = self.events[n:]
+        names: dict[str, int] = {}
+        for name, _ in events:
+            names[name] = names.get(name, 0) + 1
+        return {"compiles": len(events), "compile_s": round(sum(s for _, s in events), 3), "compiled": names}
+
+
+COMPILES = CompileLog()
+
+
 def diagnose(model, before: dict, n: int, col: str) -> dict:
     after = _graph_totals(model)
     out = {k: round(after[k] - before[k], 3) for k in ("captures", "capture_ms", "evictions", "declined")}
@@ -307,7 +349,9 @@ def bench_row(family, plain, dataset, batch, args, device) -> dict:
                 for b in warm:
                     fn(b)
                 before = _graph_totals(model)
+                compiled = len(COMPILES.events)
                 seconds = run_stream(fn, timed, device)
+                compiled = COMPILES.since(compiled)
         except Exception as e:  # noqa: BLE001 - a column that cannot run here is a result, not a crash
             row["failed"][col] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
@@ -315,6 +359,7 @@ def bench_row(family, plain, dataset, batch, args, device) -> dict:
         row[f"{col}_tok_s"] = tokens / seconds
         if model is not None:
             row["diag"][col] = {**diagnose(model, before, len(timed), col), **info}
+        row["diag"].setdefault(col, {}).update(compiled)  # Triton compiles inside the timed stream
         if col in ("auto", "auto_warmed"):
             row[f"{col}_max_err"] = _check(fn, plain, timed[-1], family)
         del fn, model
@@ -388,11 +433,14 @@ def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
         fn, model, ctx, info = make_column(col, family, plain, args, dataset, batch)
         setup = time.perf_counter() - t0
         with torch.inference_mode(), ctx():
+            n = len(COMPILES.events)
             cold = run_stream(fn, first, device)
+            compiled, n = COMPILES.since(n), len(COMPILES.events)
             warm = run_stream(fn, second, device)
         row[f"{col}_cold_ms"], row[f"{col}_warm_ms"] = 1e3 * cold, 1e3 * warm
         row[f"{col}_cold_over_warm"] = cold / warm
-        row["diag"][col] = {"setup_s": round(setup, 3), **info, **_graph_totals(model)}
+        warm_compiles = {f"warm_{k}": v for k, v in COMPILES.since(n).items() if k != "compiled"}
+        row["diag"][col] = {"setup_s": round(setup, 3), **info, **_graph_totals(model), **compiled, **warm_compiles}
         del fn, model
         gc.collect()
     return row
@@ -487,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         return fresh_processes(args, argv)
     if args.device == "cuda":
         require_cuda("benchmarks/stream_table.py")
+    COMPILES.install()
     device = torch.device(args.device)
     env = environment()
     header("Streams of new batches (CoRa distributions; timed back to back, no sync between batches)", env)
