@@ -380,14 +380,14 @@ def ragged_linear(
 # buckets' tiles to one background thread, which compiles them without launching (Triton's `warmup`: no module
 # is loaded, no memory allocated); a launch that comes before its compile has finished compiles it itself.
 _BUCKET_TILES = (_SMALL, _MID, _LARGE)
-_TILE_FLAGS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+_VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 _siblings_done: set = set()
 _compiler = None
 
 
 def _sibling_key(x, N: int, K: int, flags: dict) -> tuple:
     """What a variant's specialization depends on besides its tiles (ints specialize on divisibility by 16)."""
-    rest = tuple(sorted((k, v) for k, v in flags.items() if k not in _TILE_FLAGS))
+    rest = tuple(flags[k] for k in _VARIANT_FLAGS)
     return x.dtype, x.device, N % 16 == 0, K % 16 == 0, N == 1, K == 1, rest
 
 
@@ -399,10 +399,10 @@ def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]
 
 def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig) -> None:
     global _compiler
-    if interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+    if interpreting() or not x.is_cuda:
         return
     key = _sibling_key(x, N, K, flags)
-    if key in _siblings_done:
+    if key in _siblings_done or torch.cuda.is_current_stream_capturing():
         return
     _siblings_done.add(key)
     jobs = []
