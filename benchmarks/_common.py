@@ -53,12 +53,42 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
 
 
-def matmul_peak_tflops(dtype=torch.float16, n: int = 8192) -> float:
-    """Measured dense matmul rate (random data, n x n x n), the yardstick for 'share of peak'."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
+def matmul_peak_tflops(dtype=torch.float16, n: int = 8192, shape: tuple[int, int, int] | None = None) -> float:
+    """Measured dense matmul rate (random data, n x n x n, or (m, k, n) = `shape`), the yardstick for 'share of
+    peak' (a model's own product shape gives its roofline)."""
+    m, k, n = shape or (n, n, n)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
     ms = bench_ms(lambda: a @ b, rep_ms=300)["median_ms"]
-    return 2 * n**3 / ms / 1e9
+    return 2 * m * k * n / ms / 1e9
+
+
+def kind_of(name: str, kinds: list[tuple[str, tuple[str, ...]]]) -> str:
+    """The kind of a CUDA kernel by name: the first of `kinds` (kind, name fragments) that matches, else
+    "elementwise" for PyTorch's elementwise kernels and "other"."""
+    low = name.lower()
+    for kind, keys in kinds:
+        if any(k.lower() in low for k in keys):
+            return kind
+    return "elementwise" if "elementwise" in low or "vectorized" in low else "other"
+
+
+def profile_kernels(fn, kinds) -> tuple[float, dict[str, float], list]:
+    """One call of `fn` under torch.profiler: (kernel ms, kernel ms by `kind_of`, the 12 longest kernels as
+    [name, ms, launches])."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            kind = kind_of(e.key, kinds)
+            by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+            kernels.append([e.key[:90], us / 1e3, e.count])
+    kernels.sort(key=lambda k: -k[1])
+    return sum(by_kind.values()), by_kind, kernels[:12]
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -29,7 +29,15 @@ from autoragged._costmodel import Arm  # noqa: E402
 from autoragged._measure import ArmRunner  # noqa: E402
 from autoragged._planner import default_ragged_config  # noqa: E402
 from autoragged.workloads import HF_SHAPES, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    environment,
+    header,
+    matmul_peak_tflops,
+    profile_kernels,
+    require_cuda,
+    table,
+    write_json,
+)
 from benchmarks.hf_table import batch_of, build  # noqa: E402
 
 KINDS = [
@@ -41,31 +49,6 @@ KINDS = [
 ]
 
 
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "elementwise" if "elementwise" in low or "vectorized" in low else "other"
-
-
-def matmul_rate(device) -> float:
-    """TFLOP/s of one (16384 x 3072) @ (3072 x 768) fp16 product, median of 20."""
-    a = torch.randn(16384, 3072, device=device, dtype=torch.float16)
-    b = torch.randn(3072, 768, device=device, dtype=torch.float16)
-    for _ in range(5):
-        a @ b
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * 16384 * 3072 * 768 / (statistics.median(times) * 1e-3) / 1e12
-
-
 def flops(config, lengths) -> float:
     """Real-token FLOPs of the encoder layers: linears 2 * params per token, attention 4 * n^2 * d per sequence."""
     d, ff, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -73,22 +56,6 @@ def flops(config, lengths) -> float:
     linear = 2 * tokens * (4 * d * d + 2 * d * ff)
     attention = sum(4 * n * n * d for n in lengths)
     return layers * (linear + attention)
-
-
-def profile(fn) -> tuple[float, dict[str, float], list]:
-    """(kernel ms, kernel ms by kind, the 12 longest kernels as [name, ms, launches]) of one call."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    by_kind: dict[str, float] = {}
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + us / 1e3
-            kernels.append([e.key[:90], us / 1e3, e.count])
-    kernels.sort(key=lambda k: -k[1])
-    return sum(by_kind.values()), by_kind, kernels[:12]
 
 
 def arms_of(model, runner, lengths, ids, mask) -> dict:
@@ -116,7 +83,7 @@ def measure(fn, reps: int) -> tuple[float, tuple]:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), profile(fn)
+    return statistics.median(times), profile_kernels(fn, KINDS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     model = build(args.model, device)
     runner = ArmRunner(copy.deepcopy(model))
-    rate = matmul_rate(device)
+    rate = matmul_peak_tflops(shape=(16384, 3072, 768))
     print(f"cuBLAS fp16 (16384 x 3072) @ (3072 x 768): {rate:.0f} TFLOP/s")
     rows = []
     for spec in args.rows:

@@ -28,7 +28,7 @@ import autoragged  # noqa: E402
 from autoragged.adapters import hf_decoder  # noqa: E402
 from autoragged.packing import run_job  # noqa: E402
 from autoragged.workloads import sample_documents  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import environment, header, profile_kernels, require_cuda, table, write_json  # noqa: E402
 from benchmarks.llm_table import build  # noqa: E402
 
 KINDS = [
@@ -38,14 +38,6 @@ KINDS = [
     ("rotary", ("_rotary", "cat")),
     ("activation", ("_silu_mul", "silu")),
 ]
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KINDS:
-        if any(k.lower() in low for k in keys):
-            return kind
-    return "elementwise" if "elementwise" in low or "vectorized" in low else "other"
 
 
 def bin_documents(tokens: int, vocab: int) -> list[list[int]]:
@@ -89,14 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 outputs[code] = once()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                once()
-                torch.cuda.synchronize()
-            by_kind: dict[str, float] = {}
-            for e in prof.key_averages():
-                us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                if us:
-                    by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + us / 1e3
+            _, by_kind, _ = profile_kernels(once, KINDS)
             ms = statistics.median(times) * 1e3
             row = {"code": code, "tokens": tokens, "ms": ms, "ms_per_layer": ms / args.layers,
                    "tok_s": tokens / (ms / 1e3), **{f"{k}_ms": v for k, v in by_kind.items()}}  # fmt: skip
