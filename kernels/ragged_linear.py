@@ -378,7 +378,10 @@ def ragged_linear(
 # `benchmarks/stream_table.py --quick --models bert-base`, H100, 2026-11-25: 17.0 ms a batch against 5.8 with
 # lengths=). So the first launch of a variant (dtype, flags, N and K) outside a graph capture hands the other
 # buckets' tiles to one background thread, which compiles them without launching (Triton's `warmup`: no module
-# is loaded, no memory allocated); a launch that comes before its compile has finished compiles it itself.
+# is loaded; the descriptors are of 16-row tensors the caller's thread allocates, M not being specialized on); a
+# launch that comes before its compile has finished compiles it itself. After: no compile inside any of the six
+# streams of that benchmark (RACE B=32 6.9 ms a batch, its capture 54 ms); the CoRa short rows unchanged in an A/B
+# (0.538 and 0.527 against 0.545 ms, `benchmarks/results/cora_ab_siblings_*.json`).
 _BUCKET_TILES = (_SMALL, _MID, _LARGE)
 _VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 _siblings_done: set = set()

@@ -136,7 +136,23 @@ def test_a_fast_path_that_differs_is_turned_off_with_a_warning(tmp_path, monkeyp
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not model[0]._autoragged_st.fast
     name = type(model[0].processor).__name__
-    assert sum(f"differs from {name}'s own call" in r.message for r in caplog.records) == 1
+    assert sum(f"is not {name}'s own call here (input_ids differs)" in r.message for r in caplog.records) == 1
+
+
+def test_a_fast_path_that_fails_is_turned_off_with_a_warning(tmp_path, monkeypatch, caplog):
+    model = sentence_model(tmp_path)
+    want = run(model, "SentenceTransformer")
+    autoragged.wrap(model, db=False, policy="ragged")
+
+    def gone(*args):
+        raise AttributeError("'BertTokenizer' object has no attribute '_get_padding_truncation_strategies'")
+
+    monkeypatch.setattr(_sentence, "fast_tokenize", gone)
+    with caplog.at_level(logging.WARNING, logger="autoragged"):
+        got = run(model, "SentenceTransformer")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not model[0]._autoragged_st.fast
+    assert sum("(AttributeError:" in r.message for r in caplog.records) == 1
 
 
 def test_other_tokenizer_calls_use_sentence_transformers_own_path(tmp_path, monkeypatch):
@@ -181,3 +197,19 @@ def test_unwrap_removes_the_hooks_and_rewrap_installs_them_once(tmp_path):
     assert not (set(_sentence._ATTRS) | {"_autoragged_st"}) & set(model[0].__dict__)
     features = model.preprocess(SENTENCES[:2])
     assert _sentence._KEY not in features
+
+
+def test_an_instance_attribute_the_input_module_had_is_called_and_put_back(tmp_path):
+    model = sentence_model(tmp_path)
+    calls = []
+    theirs = model[0].preprocess
+
+    def patched(*args, **kwargs):  # e.g. another library's instance-level patch, installed before wrap
+        calls.append(1)
+        return theirs(*args, **kwargs)
+
+    model[0].preprocess = patched
+    autoragged.wrap(model, db=False, policy="ragged")
+    assert _sentence._KEY in model.preprocess(SENTENCES[:2]) and calls == [1]
+    autoragged.unwrap(model)
+    assert model[0].__dict__["preprocess"] is patched

@@ -17,8 +17,9 @@ token by token and builds tensors from the lists, which took more host time than
 instance attribute that, for plain text (or text pairs) and the call kwargs ST passes, sets the backend's
 truncation and padding exactly as the tokenizer's `__call__` does, encodes with the same backend and builds
 the same tensors from the encodings with numpy. Its first `_CHECKS` batches also run the tokenizer's own
-call and compare keys, dtypes and values; a difference turns the fast path off with one WARNING. Anything
-else (other kwargs, a slow tokenizer, another modality) calls ST's own method.
+call and compare keys, dtypes and values; a difference (or an error from the tokenizer's private API in another
+transformers version) turns the fast path off with one WARNING. Anything else (other kwargs, a slow tokenizer,
+another modality) calls ST's own method. `unwrap` puts back what the instance had.
 """
 
 from __future__ import annotations
@@ -61,18 +62,21 @@ def install(model) -> None:
     for module in _input_modules(model):
         if "_autoragged_st" in module.__dict__:
             continue
-        module._autoragged_st = _Hooks(module)
-        module.preprocess = module._autoragged_st.preprocess
-        module.forward = module._autoragged_st.forward
-        if hasattr(type(module), "_call_single_modality_processor"):
-            module._call_single_modality_processor = module._autoragged_st.call_processor
+        hooks = _Hooks(module)
+        module._autoragged_st = hooks
+        module.preprocess, module.forward = hooks.preprocess, hooks.forward
+        if hooks.own_call_processor is not None:
+            module._call_single_modality_processor = hooks.call_processor
 
 
 def uninstall(model) -> None:
     for module in list(model.modules()):
-        if module.__dict__.pop("_autoragged_st", None) is not None:
-            for name in _ATTRS:
+        hooks = module.__dict__.pop("_autoragged_st", None)
+        if hooks is not None:
+            for name in _ATTRS:  # back to what the instance had: its class's methods, or its own attributes
                 module.__dict__.pop(name, None)
+                if name in hooks.instance_attrs:
+                    module.__dict__[name] = hooks.instance_attrs[name]
 
 
 def hinted_lengths(mask) -> HostLengths | None:
@@ -102,12 +106,14 @@ class _Hooks:
 
     def __init__(self, module):
         self.module = module
-        self.cls = type(module)
+        self.instance_attrs = {n: module.__dict__[n] for n in _ATTRS if n in module.__dict__}  # put back by uninstall
+        self.own_preprocess, self.own_forward = module.preprocess, module.forward
+        self.own_call_processor = getattr(module, "_call_single_modality_processor", None)
         self.checked = 0  # batches whose fast tokenizing equalled the tokenizer's own
         self.fast = True
 
     def preprocess(self, *args, **kwargs):
-        features = self.cls.preprocess(self.module, *args, **kwargs)
+        features = self.own_preprocess(*args, **kwargs)
         if isinstance(features, MutableMapping) and "input_ids" in features:
             lengths = mask_lengths_on_host(features.get("attention_mask"))
             if lengths is not None:
@@ -118,28 +124,34 @@ class _Hooks:
         hint = features.pop(_KEY, None) if isinstance(features, MutableMapping) else None
         token = _HINT.set(hint)
         try:
-            return self.cls.forward(self.module, features, *args, **kwargs)
+            return self.own_forward(features, *args, **kwargs)
         finally:
             _HINT.reset(token)
 
     def call_processor(self, modality, processor_inputs, modality_kwargs, common_kwargs):
-        own = self.cls._call_single_modality_processor
+        own = self.own_call_processor
         call_kwargs = {**modality_kwargs.get("text", {}), **common_kwargs}
         batch = self._text_batch(modality, processor_inputs, call_kwargs) if self.fast else None
         if batch is None:
-            return own(self.module, modality, processor_inputs, modality_kwargs, common_kwargs)
-        out = fast_tokenize(self.module.processor, batch, call_kwargs)
+            return own(modality, processor_inputs, modality_kwargs, common_kwargs)
+        try:
+            out = fast_tokenize(self.module.processor, batch, call_kwargs)
+        except Exception as e:  # noqa: BLE001 - private tokenizer API of another transformers version: its own call
+            return self._turn_off(f"{type(e).__name__}: {e}", own(modality, processor_inputs, modality_kwargs,
+                                                                  common_kwargs))  # fmt: skip
         if self.checked < _CHECKS:
-            want = own(self.module, modality, dict(processor_inputs), modality_kwargs, common_kwargs)
+            want = own(modality, dict(processor_inputs), modality_kwargs, common_kwargs)
             diff = _difference(out, want)
             if diff is not None:
-                self.fast = False
-                log.warning("autoragged: tokenizing straight from the encodings differs from %s's own call (%s); "
-                            "this model tokenizes with its own call from now on", type(self.module.processor).__name__,
-                            diff)  # fmt: skip
-                return want
+                return self._turn_off(diff, want)
             self.checked += 1
         return out
+
+    def _turn_off(self, why: str, result):
+        self.fast = False
+        log.warning("autoragged: tokenizing straight from the encodings is not %s's own call here (%s); this model "
+                    "tokenizes with its own call from now on", type(self.module.processor).__name__, why)  # fmt: skip
+        return result
 
     def _text_batch(self, modality, processor_inputs, call_kwargs):
         """The texts (or text pairs) to encode when the fast path computes this call exactly, else None."""
