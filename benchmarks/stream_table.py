@@ -56,6 +56,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -267,11 +268,13 @@ def _what_ran(model, n: int) -> dict:
 
 
 class CompileLog:
-    """Triton compiles as they happen (kernel name, seconds), through triton.knobs' JIT hooks: which ones a
-    timed stream pays (a cache hit on disk is logged too, with its load time)."""
+    """Triton compiles as they happen (kernel name, seconds, on the calling thread or not), through triton.knobs'
+    JIT hooks: which ones a timed stream pays (a cache hit on disk is logged too, with its load time). Compiles
+    on another thread (kernels/ragged_linear.py compiles tile variants ahead in the background) are counted
+    apart: they cost the stream host time, not a stall."""
 
     def __init__(self):
-        self.events: list[tuple[str, float]] = []
+        self.events: list[tuple[str, float, bool]] = []
         self._start: dict = {}
 
     def install(self) -> bool:
@@ -290,18 +293,21 @@ class CompileLog:
         def after(**kw):
             t0 = self._start.pop(kw.get("key"), None)
             fn = kw.get("fn")
-            self.events.append((getattr(fn, "name", "?"), 0.0 if t0 is None else time.perf_counter() - t0))
+            seconds = 0.0 if t0 is None else time.perf_counter() - t0
+            main = threading.current_thread() is threading.main_thread()
+            self.events.append((getattr(fn, "name", "?"), seconds, main))
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
         return True
 
     def since(self, n: int) -> dict:
-        """Compiles logged after the first n: count, seconds, and count by kernel."""
-        events = self.events[n:]
+        """Compiles logged after the first n on the main thread (count, seconds, count by kernel), and elsewhere."""
+        events = [e for e in self.events[n:] if e[2]]
         names: dict[str, int] = {}
-        for name, _ in events:
+        for name, _, _ in events:
             names[name] = names.get(name, 0) + 1
-        return {"compiles": len(events), "compile_s": round(sum(s for _, s in events), 3), "compiled": names}
+        return {"compiles": len(events), "compile_s": round(sum(e[1] for e in events), 3), "compiled": names,
+                "background_compiles": len(self.events) - n - len(events)}  # fmt: skip
 
 
 COMPILES = CompileLog()
