@@ -69,6 +69,37 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
         assert (out.last_hidden_state[~keep] == 0).all()
 
 
+@pytest.mark.parametrize("given", ["input_ids", "inputs_embeds"])
+def test_the_lengths_graph_embeds_in_the_graph_and_zeros_columns_past_its_bucket(given):
+    """The ragged graph fed host lengths runs the embeddings itself from token ids (`run_padded_ids`), or
+    packs the caller's embeddings (`run_padded`). A batch padded far past its longest row (a tokenizer's
+    padding="max_length") replays a graph whose bucket is shorter than the batch: the columns its unpack
+    does not reach must still come out zero (memory filled with NaN first, which a fresh output could reuse)."""
+    plain = model("bert-base", torch.float16, layers=2)
+    runner = ArmRunner(model("bert-base", torch.float16, layers=2))
+    lengths = (100, 7, 63, 1)
+    kwargs, keep = batch(lengths)
+    L = 300  # the graph's bucket: next_pow2(100) = 128 columns
+    kwargs = {k: torch.nn.functional.pad(v, (0, L - v.shape[1])) for k, v in kwargs.items()}
+    keep = torch.nn.functional.pad(keep, (0, L - keep.shape[1]))
+    stats = BatchStats.from_lengths(lengths, padded_len=L)
+    arm = Arm("ragged_graph", graph_config(64, 100, "cublas"))
+    with torch.inference_mode():
+        want = plain(**kwargs).last_hidden_state
+        call = dict(kwargs)
+        if given == "inputs_embeds":
+            call["inputs_embeds"] = plain.embeddings.word_embeddings(call.pop("input_ids"))
+        for _ in range(3):  # captures, then replays
+            torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float16)  # freed: NaN to reuse
+            out = runner.run_call(arm, runner.hf_call(call), lengths, stats).last_hidden_state
+            assert out.shape == want.shape
+            assert (out[~keep] == 0).all(), "pads must be zeros, past the graph's bucket too"
+            torch.testing.assert_close(out[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
+    graphs = [k for k in runner.runtime.graphs.graphs if k[0] == "ragged"]
+    assert len(graphs) == 1 and graphs[0][6] == "padded" and graphs[0][3] == 128
+    assert graphs[0][7] == ("ids_tt" if given == "input_ids" else None)
+
+
 @pytest.mark.parametrize(("pooler", "types"), [(False, False), (True, False), (True, True)])
 def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the

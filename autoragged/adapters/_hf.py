@@ -340,8 +340,9 @@ class HFCall(Call):
         return self._x
 
     def prefetch(self) -> None:
-        """The embeddings, queued before the mask read: after it, the host has less to launch before the
-        replay (if the padded arm wins, the model computes its own and these were a few wasted launches)."""
+        """The embeddings, queued before the mask read where the graphs do not compute them (the runtime calls
+        this only then): after it, the host has less to launch before the arm (if the padded arm wins, the model
+        computes its own and these were a few wasted launches)."""
         if self.reason is None and self.passthrough is None:
             self.x  # noqa: B018 - computed and kept
 

@@ -27,8 +27,9 @@ class Body:
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
                     fed a mask computes a left-padded row's column 0 as a query-only row (kernels/masked_pack.py)
-    embeds_in_graph: the ragged graph fed a mask may compute the embeddings itself from the call's token ids
-                    (`Call.graph_inputs`): the host launches no embedding step before the replay
+    embeds_in_graph: the ragged graphs (fed a mask or host lengths) may compute the embeddings themselves from
+                    the call's token ids (`Call.graph_inputs`): the host launches no embedding step before the
+                    replay
     padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
     memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
     """
@@ -132,8 +133,8 @@ class Call:
         return y
 
     def graph_inputs(self):
-        """(mode, token ids, token type ids or None) where the ragged graph fed a mask may compute the
-        embeddings itself (`Body.embeds_in_graph`), or None: the graph then packs `x`."""
+        """(mode, token ids, token type ids or None) where the ragged graphs may compute the embeddings
+        themselves (`Body.embeds_in_graph`), or None: a graph then packs `x`."""
         return None
 
     def original(self, module):

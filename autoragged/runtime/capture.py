@@ -192,8 +192,10 @@ class _RaggedGraph:
 
     def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
-        # io="mask": None (the graph packs the caller's x), or "ids" / "ids_tt": the graph runs the body's
-        # embedding step itself on static token ids (and token types), which `run_mask_ids` fills per batch
+        # io="mask" or "padded": None (the graph packs the caller's x), or "ids" / "ids_tt": the graph runs the
+        # body's embedding step itself on static token ids (and token types), which `run_mask_ids` or
+        # `run_padded_ids` fills per batch (the host launches no embedding step: 0.2-0.4 ms of host time on HF
+        # bert-base, which a mask read waited for; H100, 2026-11-25, benchmarks/mask_path.py)
         self.inputs = key[6] if len(key) > 6 else None
         body = runtime.body
         D = body.d_model
@@ -201,7 +203,9 @@ class _RaggedGraph:
         self.dtype, self.device, self.batch_first, self.d_model = dtype, device, body.batch_first, D
         index = torch.device(device).index  # compared with x.get_device(): cheaper than building x.device
         self.index = torch.cuda.current_device() if index is None else index
-        self.width = max_len  # io="mask": the columns `pads` counts over (the padded bucket length)
+        # io="mask": the columns `pads` counts over (the padded bucket length); io="padded": the bucket's longest
+        # component, the columns the unpack's grid covers
+        self.width = max_len
         programs = self.programs = rows // config.block_m + batch
         # The capture closure holds the buffers, never `self`: no reference cycle, so an evicted graph is
         # freed at once (a cycle left it to the garbage collector, which could run it mid-capture).
@@ -249,6 +253,22 @@ class _RaggedGraph:
             def run():
                 mailbox.fetch()
                 return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
+
+        elif self.inputs is not None:  # io="padded", the embeddings too, from static token ids (`run_padded_ids`)
+            extent, width, embed = -(-max_len // align) * align, max_len, body.embed
+            ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+            types = self.types = torch.zeros_like(ids) if self.inputs == "ids_tt" else None
+            made = {}
+
+            def run():
+                mailbox.fetch()
+                graph_layout.layout(args, meta, batch, programs, block_m, align)
+                made["x"] = x = embed(module, {"input_ids": ids, "token_type_ids": types})  # (batch, width, D)
+                if x.shape != (batch, width, D) or x.stride(2) != 1:
+                    raise ValueError(f"the embeddings came out {tuple(x.shape)}, not ({batch}, {width}, {D})")
+                ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
+                out = values_fn(values, layout, config, causal)
+                ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
 
         else:
             extent = -(-max_len // align) * align
@@ -309,6 +329,30 @@ class _RaggedGraph:
         """The output of the batch x (as the module takes it) of host `lengths`; pads are zeros."""
         head, out = self._io(x)
         self.replay((*head, *lengths))
+        if head[7] > self.width:  # padded past the bucket's longest component: columns the unpack's grid misses
+            (out[:, self.width :] if self.batch_first else out[self.width :]).zero_()
+        return out
+
+    def run_padded_ids(self, ids: torch.Tensor, types: torch.Tensor | None, lengths) -> torch.Tensor:
+        """io="padded" with the embeddings in the graph (`inputs`): the output of the batch of token ids (B, L)
+        int64 (and token types for inputs "ids_tt", None meaning zeros) of host `lengths`; pads are zeros. The
+        first min(L, width) columns are copied into the static ids (the real tokens lie there: width is the
+        bucket's longest component); the rest keep an earlier batch's, which no real token reads (positions
+        come from the columns or from the ids before them), nor do the bucket's spare rows (length 0)."""
+        B, L = ids.shape
+        if B > self.batch or ids.get_device() != self.index:
+            raise ValueError(f"this graph runs batches of up to {self.batch} rows on {self.device}, "
+                             f"got ids {tuple(ids.shape)} on {ids.device}")  # fmt: skip
+        n = min(L, self.width)
+        self.ids[:B, :n].copy_(ids[:, :n])
+        if self.types is not None:  # no token types given: zeros, the embeddings' own default
+            self.types[:B, :n].copy_(types[:, :n]) if types is not None else self.types.zero_()
+        x = self.x
+        out = torch.empty((B, L, self.d_model), dtype=self.dtype, device=x.device)
+        sx, so = x.stride(), out.stride()
+        self.replay((x.data_ptr(), out.data_ptr(), sx[0], sx[1], so[0], so[1], B, L, *lengths))
+        if L > self.width:
+            out[:, self.width :].zero_()
         return out
 
     def run_mask(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,10 @@ class Runtime(UnreadShapes):
                             out = self._run_unread(module, call, shape)
                             if out is not _READ:
                                 return out
-                call.prefetch()  # queue what every ragged arm needs before the read blocks the host
+                if not (self.graphs_enabled and kpm.is_cuda and call.graph_inputs() is not None):
+                    # queue what every ragged arm needs before the read blocks the host; not where the graph arms
+                    # compute it themselves: the read would wait for it, and an eager arm launches it after
+                    call.prefetch()
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, call.lengths, B, L)
             if mask_only:
@@ -518,16 +521,20 @@ class Runtime(UnreadShapes):
             if ragged_in is not None and not ragged_in.layout.same_as(Layout.make(lens, align)):
                 return None, f"the input's layout (align {ragged_in.align}) is not the graph's (align {align})"
             io = "values" if ragged_in is not None else "padded"
+            inputs = call.graph_inputs() if ragged_in is None else None  # the embeddings inside the graph
             dtype = self._param().dtype
             graph, note = self.graphs.ragged(
-                self, module, arm.config, call.causal, stats, rows, dtype, device, io, costs
-            )
+                self, module, arm.config, call.causal, stats, rows, dtype, device, io, costs,
+                inputs[0] if inputs is not None else None,
+            )  # fmt: skip
             if graph is None:
                 return None, note
             # no inference_mode here: the static buffers are plain tensors (GraphCache._get), and entering
             # the context costs tens of microseconds of host time on a launch-bound batch
             if ragged_in is not None:
                 return call.finish(ragged_in.with_values(graph.run_values(ragged_in.values, lens))), None
+            if inputs is not None:
+                return call.finish(graph.run_padded_ids(inputs[1], inputs[2], lens)), None
             return call.finish(graph.run_padded(call.x, lens)), None  # reads x, writes a fresh output
         if call.causal:
             return None, "the padded graph takes no attn_mask"

@@ -344,9 +344,14 @@ class GraphCache:
         return GraphStats(len(self.graphs), self.kept_bytes, self.budget_bytes, self.cap, self.captures,
                           self.capture_ms, len(self.failed), self.evictions, self.declined, kinds)  # fmt: skip
 
-    def ragged(self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded", costs=None):
+    def ragged(
+        self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded", costs=None, inputs=None
+    ):
+        """The ragged graph of a batch of host lengths (`stats`, `rows_needed` values rows): io "padded" (it packs
+        the caller's padded input, or with `inputs` "ids" / "ids_tt" (`Call.graph_inputs`) runs the body's
+        embedding step itself: `run_padded_ids`) or "values" (a RaggedTensor's values)."""
         self._check_params(runtime._parameters(module))
-        key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io)
+        key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io, inputs)
 
         def kind() -> str:
             timed = config.backend == "cublas" and (key[1], *runtime.body.memo, dtype, device) not in _ROW_CHOICE
