@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ._backend import host_to_device
+from .kernels._config import aligned
 
 _CACHE_SIZE = 1024
 _cache: OrderedDict[tuple[tuple[int, ...], int], Layout] = OrderedDict()
@@ -197,10 +198,11 @@ class Layout:
         """(offsets (B+1,), lengths (B,)) as int32 on `device`, from one host->device copy; cached."""
         hit = self._device.get(device)
         if hit is None:
-            host = np.fromiter((*self.offsets, *self.lengths), dtype=np.int32, count=2 * len(self.lengths) + 1)
+            b1, at = len(self.offsets), aligned(len(self.offsets))
+            host = np.zeros(at + len(self.lengths), dtype=np.int32)
+            host[:b1], host[at:] = self.offsets, self.lengths
             both = host_to_device(host, device)
-            b1 = len(self.offsets)
-            hit = (both[:b1], both[b1:])
+            hit = (both[:b1], both[at:])  # each view 64-byte aligned (`aligned`): one kernel variant
             self._device[device] = hit
         return hit
 
@@ -227,8 +229,11 @@ class Layout:
             block_offsets = np.zeros(len(lens) + 1, dtype=np.int32)
             np.cumsum(counts, out=block_offsets[1:])
             grid_mapping = np.repeat(np.arange(len(lens), dtype=np.int32), counts)
-            both = host_to_device(np.concatenate([grid_mapping, block_offsets]), device)
-            hit = (both[: len(grid_mapping)], both[len(grid_mapping) :])
+            P, at = len(grid_mapping), aligned(len(grid_mapping))
+            host = np.zeros(at + len(block_offsets), dtype=np.int32)
+            host[:P], host[at:] = grid_mapping, block_offsets
+            both = host_to_device(host, device)
+            hit = (both[:P], both[at:])
             self._prelude[key] = hit
         return hit
 

@@ -78,6 +78,15 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def aligned(n: int) -> int:
+    """n rounded up to a multiple of 16: where the next section of a packed int32 buffer starts, 64-byte
+    aligned. Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so views of one
+    buffer at offsets that follow the batch (B + 1, the program count) compiled a second variant at whichever
+    batch first flipped an alignment: inside a CUDA-graph capture in a stream, 0.7 s (HF bert-base, CoLA
+    B=128, H100, 2026-11-25, benchmarks/stream_table.py)."""
+    return -(-n // 16) * 16
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1` at import time).
 

@@ -9,11 +9,12 @@ fetched by the graph's first kernel from a pinned slot the host wrote (kernels/g
 Shape contracts
     args:   (ARGS_HEAD + batch,) int64 on the device; args[ARGS_HEAD + i] = length of component i
             (0 for the bucket's spare components)
-    meta:   (meta_size(batch, programs),) int32, written whole:
-              offsets        [0, batch]                 start of each component, aligned to `align` rows
-              lengths        [batch + 1, 2 batch]       real rows of each component
-              grid_mapping   [2 batch + 1, + programs]  component of attention program p, -1 past the last
-              block_offsets  [.., + batch + 1]          first attention program of each component
+    meta:   (meta_size(batch, programs),) int32, sections (each starting at a multiple of 16 elements,
+            `starts`; the padding between them is never read nor written):
+              offsets        (batch + 1,)  start of each component, aligned to `align` rows
+              lengths        (batch,)      real rows of each component
+              grid_mapping   (programs,)   component of attention program p, -1 past the last
+              block_offsets  (batch + 1,)  first attention program of each component
             for attention row blocks of `block_m` rows; `programs` must be >= the batch's row blocks.
     From a mask (from_mask): args as kernels/masked_pack.py has them; lengths[i] = real tokens of mask
     row i (0 for i >= ARG_B); align must be 1 (components back to back). offsets[batch] is then the rows
@@ -21,17 +22,19 @@ Shape contracts
     With first_column (from a mask only): a row whose column 0 is a pad but which has real tokens (left
     padding) gets one more row, a query-only row for that column (a first-token pooler reads it: see
     kernels/masked_pack.py); lengths[i] counts it, and meta grows by a section:
-              key_lengths    [.., + batch]              real tokens of each row (the attention's keys)
+              key_lengths    (batch,)      real tokens of each row (the attention's keys)
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ._config import next_pow2
+from . import _ahead
+from ._config import aligned, next_pow2
 from ._triton import tl, triton
 from .masked_pack import MASK_ARGS
 from .ragged_pack import ARGS_HEAD
@@ -39,29 +42,45 @@ from .ragged_pack import ARGS_HEAD
 __all__ = ["layout", "layout_ref", "meta_size", "sections"]
 
 
+def starts(batch: int, programs: int) -> tuple[int, int, int, int]:
+    """Where the lengths, grid_mapping, block_offsets and key_lengths sections of `meta` start (offsets
+    starts at 0): each at a multiple of 16 elements, so every view is 64-byte aligned whatever the batch and
+    the program count (`aligned`: one compiled variant of each kernel that reads them)."""
+    at_lengths = aligned(batch + 1)
+    at_grid = at_lengths + aligned(batch)
+    at_blocks = at_grid + aligned(programs)
+    return at_lengths, at_grid, at_blocks, at_blocks + aligned(batch + 1)
+
+
 def meta_size(batch: int, programs: int, first_column: bool = False) -> int:
-    return 2 * batch + 1 + programs + batch + 1 + (batch if first_column else 0)
+    at_blocks, at_keys = starts(batch, programs)[2:]
+    return at_keys + batch if first_column else at_blocks + batch + 1
 
 
 def sections(meta, batch: int, programs: int):
     """(offsets, lengths, grid_mapping, block_offsets): views of `meta` (a tensor or an array)."""
-    grid = 2 * batch + 1
-    end = grid + programs + batch + 1
-    return meta[: batch + 1], meta[batch + 1 : grid], meta[grid : grid + programs], meta[grid + programs : end]
+    at_lengths, at_grid, at_blocks, _ = starts(batch, programs)
+    return (meta[: batch + 1], meta[at_lengths : at_lengths + batch], meta[at_grid : at_grid + programs],
+            meta[at_blocks : at_blocks + batch + 1])  # fmt: skip
 
 
 def key_lengths(meta, batch: int, programs: int):
     """The key_lengths section of a first_column layout's `meta` (module docstring)."""
-    start = meta_size(batch, programs)
+    start = starts(batch, programs)[3]
     return meta[start : start + batch]
 
 
-@triton.jit
+# batch and programs change with the bucket: not specialised (one compiled kernel for every bucket)
+@triton.jit(do_not_specialize=["batch", "programs"])
 def _layout_kernel(
     args_ptr,
     meta_ptr,
     batch,
     programs,
+    at_lengths,  # where meta's sections start (`starts`): multiples of 16
+    at_grid,
+    at_blocks,
+    at_keys,
     BLOCK_M: tl.constexpr,
     ALIGN: tl.constexpr,
     HEAD: tl.constexpr,
@@ -99,17 +118,16 @@ def _layout_kernel(
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     comp = tl.sum((ends[None, :] <= p[:, None]).to(tl.int32), 1)
     comp = tl.where(p < total, comp, -1)
-    grid_base = meta_ptr + 2 * batch + 1
-    tl.store(grid_base + p, comp, mask=p < programs)
+    tl.store(meta_ptr + at_grid + p, comp, mask=p < programs)
     if pid == 0:
         tl.store(meta_ptr, 0)
         tl.store(meta_ptr + 1 + b, tl.cumsum(ext, 0), mask=real)
-        tl.store(meta_ptr + batch + 1 + b, lens, mask=real)
-        block_offsets = grid_base + programs
+        tl.store(meta_ptr + at_lengths + b, lens, mask=real)
+        block_offsets = meta_ptr + at_blocks
         tl.store(block_offsets, 0)
         tl.store(block_offsets + 1 + b, ends, mask=real)
         if FIRST_COL:
-            tl.store(block_offsets + batch + 1 + b, keys, mask=real)
+            tl.store(meta_ptr + at_keys + b, keys, mask=real)
 
 
 def layout(
@@ -137,11 +155,29 @@ def layout(
         raise ValueError(f"args must be int64 of at least {need} elements")
     block_b = next_pow2(max(batch, 1))
     block_p = max(16, min(1024, 8192 // block_b))  # the (BLOCK_P, BLOCK_B) comparison stays small
+    kernel_args = (args, meta, batch, programs, *starts(batch, programs))
+    sizes = dict(HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_L=max(16, 4096 // block_b), num_warps=4)
+    if _ahead.first_sight(("layout", args.device, block_b), args):
+        _compile_siblings(kernel_args, sizes, (block_m, align, from_mask, first_column))
     _layout_kernel[(triton.cdiv(programs, block_p),)](
-        args, meta, batch, programs,
-        BLOCK_M=block_m, ALIGN=align, HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p,
-        FROM_MASK=from_mask, BLOCK_L=max(16, 4096 // block_b), FIRST_COL=first_column, num_warps=4,
+        *kernel_args, **sizes, BLOCK_M=block_m, ALIGN=align, FROM_MASK=from_mask, FIRST_COL=first_column,
     )  # fmt: skip
+
+
+def _compile_siblings(kernel_args: tuple, sizes: dict, mine: tuple) -> None:
+    """The first layout of a batch size bucket (outside a capture) compiles, in the background, the variants
+    the other graphs of that bucket may launch (kernels/_ahead.py): the attention tiles' row blocks (32 or
+    64 rows: the longest component at or under 32, or over) for a graph fed lengths (align 1) and one fed a
+    mask (with and without the first-column row). A stream of HF bert-base batches compiled one inside a
+    capture (CoLA B=128; H100, 2026-11-25)."""
+    variants = {(m, 1, False, False) for m in (32, 64)} | {(m, 1, True, f) for m in (32, 64) for f in (False, True)}
+    jobs = [
+        functools.partial(
+            _layout_kernel.warmup, *kernel_args, **sizes, BLOCK_M=m, ALIGN=a, FROM_MASK=fm, FIRST_COL=fc, grid=(1,)
+        )  # fmt: skip
+        for m, a, fm, fc in sorted(variants - {mine})
+    ]
+    _ahead.submit(kernel_args[0].device, jobs, "layout")
 
 
 def layout_ref(
@@ -154,7 +190,7 @@ def layout_ref(
     ext = lens if align == 1 else (lens + align - 1) // align * align
     counts = (lens + block_m - 1) // block_m
     if meta is None:
-        meta = np.empty(meta_size(batch, programs), dtype=np.int32)
+        meta = np.zeros(meta_size(batch, programs), dtype=np.int32)  # (the padding between sections stays 0)
     offsets, lengths_out, grid, block_offsets = sections(meta, batch, programs)
     offsets[0] = 0
     np.cumsum(ext, out=offsets[1 : B + 1])

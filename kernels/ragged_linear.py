@@ -25,11 +25,12 @@ Shape contracts
 
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
 import torch.nn.functional as F
 
+from . import _ahead
 from ._config import KernelConfig, _identity, dot_upcast, interpreting
 from ._triton import HAS_TRITON, tl, triton
 
@@ -384,8 +385,6 @@ def ragged_linear(
 # (0.538 and 0.527 against 0.545 ms, `benchmarks/results/cora_ab_siblings_*.json`).
 _BUCKET_TILES = (_SMALL, _MID, _LARGE)
 _VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
-_siblings_done: set = set()
-_compiler = None
 
 
 def _sibling_key(x, N: int, K: int, flags: dict) -> tuple:
@@ -401,13 +400,8 @@ def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]
 
 
 def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig) -> None:
-    global _compiler
-    if interpreting() or not x.is_cuda:
+    if not _ahead.first_sight(("linear", *_sibling_key(x, N, K, flags)), x):
         return
-    key = _sibling_key(x, N, K, flags)
-    if key in _siblings_done or torch.cuda.is_current_stream_capturing():
-        return
-    _siblings_done.add(key)
     jobs = []
     for tiles in sibling_tiles(config, x.element_size()):
         bk = min(tiles.block_k, max(16, triton.next_power_of_2(K)))
@@ -418,25 +412,11 @@ def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: 
                  TensorDescriptor.from_tensor(out_small, [tiles.block_m, tiles.block_n]))  # fmt: skip
         tile_flags = {**flags, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": bk,
                       "GROUP_M": tiles.group_m}  # fmt: skip
-        jobs.append((descs, tile_flags, tiles))
-    if not jobs:
-        return
-    if _compiler is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autoragged-compile")
-    _compiler.submit(_compile_jobs, x.device, jobs, bias_arg, live_arg, N, K)
-
-
-def _compile_jobs(device, jobs, bias_arg, live_arg, N: int, K: int) -> None:
-    with torch.cuda.device(device):
-        for descs, tile_flags, tiles in jobs:
-            try:
-                _linear_tma_kernel.warmup(*descs, bias_arg, live_arg, 16, N, K, **tile_flags,
-                                          NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps,
-                                          num_stages=tiles.num_stages, grid=(1,))  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - such a variant compiles (and fails loudly) where it is used
-                logging.getLogger("autoragged").debug("compiling linear tiles %s ahead failed: %s", tiles.short(), e)
+        jobs.append(functools.partial(
+            _linear_tma_kernel.warmup, *descs, bias_arg, live_arg, 16, N, K, **tile_flags,
+            NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,),
+        ))  # fmt: skip
+    _ahead.submit(x.device, jobs, "linear tiles")
 
 
 def cublas_linear(

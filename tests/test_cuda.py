@@ -112,6 +112,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
     before), and computes the reference's result."""
     import threading
 
+    from autoragged.kernels import _ahead
     from autoragged.kernels import ragged_linear as k_lin
     from triton import knobs
 
@@ -123,7 +124,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
             on_caller.append(kw["fn"].name)
 
     k_lin._linear_tma_kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
-    k_lin._siblings_done.clear()
+    _ahead.forget()
     before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
     try:
         N, K = 400, 208
@@ -132,12 +133,61 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
         first = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
         k_lin.ragged_linear(first, w, b, "relu", k_lin.default_config(N, K, 64))
         assert on_caller == ["_linear_tma_kernel"]  # the small tiles, compiled where they were needed
-        k_lin._compiler.submit(lambda: None).result()  # one worker: the sibling compiles have finished
+        _ahead.drain()  # one worker: the sibling compiles have finished
         for rows in (3000, 20000):
             x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
             config = k_lin.default_config(N, K, rows)
             got = k_lin.ragged_linear(x, w, b, "relu", config)
             torch.testing.assert_close(got, k_lin.ragged_linear_ref(x, w, b, "relu"), atol=0.1, rtol=0.02)
         assert on_caller == ["_linear_tma_kernel"], on_caller
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+
+
+def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
+    """The first attention launch of a variant and the first layout of a batch bucket hand their siblings (the
+    32 x 32 tiles of a short batch, the other layouts of that bucket's graphs) to the background compiles: a later
+    short batch and the other layouts launch without compiling on the caller's thread, and compute the
+    references' results."""
+    import threading
+
+    from autoragged.kernels import _ahead, graph_layout
+    from autoragged.kernels.graph_layout import meta_size
+    from triton import knobs
+
+    from autoragged._layout import Layout
+
+    on_caller: list[str] = []
+    caller = threading.current_thread()
+
+    def hook(**kw):
+        if threading.current_thread() is caller:
+            on_caller.append(kw["fn"].name)
+
+    for kernel in (k_attn._ragged_attn_fwd_kernel, graph_layout._layout_kernel):
+        kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
+    _ahead.forget()
+    before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
+    try:
+        H, D = 4, 64
+        for lengths in ((70, 3, 40), (20, 7, 31)):  # the longest over 32 (64 x 64 tiles), then at most 32
+            layout = Layout.make(lengths, 1)
+            q, k, v = (torch.randn(layout.rows, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+            config = k_attn.default_config(D, max(lengths))
+            offsets, lens = layout.device_meta(q.device)
+            grid, blocks = layout.prelude(config.block_m, q.device)
+            got = k_attn.ragged_attention(q, k, v, offsets, lens, grid, blocks, config=config)
+            want = k_attn.ragged_attention_ref(q, k, v, layout.offsets, lengths)
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+            _ahead.drain()  # one worker: the sibling compiles have finished
+        assert on_caller == ["_ragged_attn_fwd_kernel"], on_caller  # the first tiles only
+        batch, programs = 8, 40
+        meta = torch.zeros(meta_size(batch, programs), dtype=torch.int32, device="cuda")
+        args = torch.zeros(16 + batch, dtype=torch.int64, device="cuda")
+        graph_layout.layout(args, meta, batch, programs, 64, 1)  # compiles itself, submits its siblings
+        _ahead.drain()
+        for block_m in (32, 64):
+            graph_layout.layout(args, meta, batch, programs, block_m, 1)
+        assert on_caller == ["_ragged_attn_fwd_kernel", "_layout_kernel"], on_caller
     finally:
         knobs.runtime.jit_post_compile_hook = before

@@ -33,8 +33,8 @@ def test_host_meta_matches_the_layout_and_prelude(lengths, align, block_m):
     assert meta.size == meta_size(batch, programs) and used_rows == layout.rows
     assert max_extent == layout.max_extent
     B = len(lengths)
-    offsets, lens = meta[: batch + 1], meta[batch + 1 : 2 * batch + 1]
-    grid, block_offsets = meta[2 * batch + 1 : 2 * batch + 1 + programs], meta[2 * batch + 1 + programs :]
+    offsets, lens, grid, block_offsets = graph_layout.sections(meta, batch, programs)
+    assert [len(s) for s in (offsets, lens, grid, block_offsets)] == [batch + 1, batch, programs, batch + 1]
     assert offsets[: B + 1].tolist() == list(layout.offsets) and (offsets[B:] == layout.rows).all()
     assert lens[:B].tolist() == list(lengths) and (lens[B:] == 0).all()  # spare components are empty
     counts = [-(-n // block_m) for n in lengths]
@@ -92,7 +92,30 @@ def test_layout_kernel_matches_the_reference(device, lengths, batch, align, bloc
     meta = torch.full((meta_size(batch, programs),), 12345, dtype=torch.int32, device=device)  # poison
     graph_layout.layout(_args(lengths, batch).to(device), meta, batch, programs, block_m, align)
     want, _, _ = _host_meta(lengths, align, block_m, batch, programs)
-    assert meta.cpu().numpy().tolist() == want.tolist()
+    got = meta.cpu().numpy()
+    for section, expected in zip(
+        graph_layout.sections(got, batch, programs), graph_layout.sections(want, batch, programs)
+    ):
+        assert section.tolist() == expected.tolist()
+    written = np.zeros(got.size, dtype=bool)
+    for section in graph_layout.sections(written, batch, programs):
+        section[:] = True
+    assert (got[~written] == 12345).all()  # the padding between sections is never written
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 100, 128])
+@pytest.mark.parametrize("programs", [1, 17, 64, 301])
+def test_every_layout_view_is_64_byte_aligned(batch, programs):
+    """Triton compiles a variant per pointer alignment: the views a graph's and an eager batch's kernels read
+    start at multiples of 16 int32 elements, whatever the batch and program count (one variant for all)."""
+    meta = torch.zeros(meta_size(batch, programs, True), dtype=torch.int32)
+    views = [*graph_layout.sections(meta, batch, programs), graph_layout.key_lengths(meta, batch, programs)]
+    assert all(v.storage_offset() % 16 == 0 for v in views)
+    lengths = tuple(range(batch))
+    layout = Layout.make(lengths, 1)
+    eager = [*layout.device_meta(torch.device("cpu")), *layout.prelude(16, torch.device("cpu"))]
+    assert all(v.storage_offset() % 16 == 0 for v in eager)
+    assert eager[1].tolist() == list(lengths) and eager[3].tolist()[-1] == sum(-(-n // 16) for n in lengths)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -145,7 +168,7 @@ def test_pack_from_and_unpack_to_follow_the_pointers(device, align):
     args = _args(lengths, batch, L=L, x=x, out=out)
     meta, used, extent = _host_meta(lengths, align, 4, batch, 64 + batch)
     meta = torch.from_numpy(meta).to(device)
-    offsets, lens = meta[: batch + 1], meta[batch + 1 : 2 * batch + 1]
+    offsets, lens = graph_layout.sections(meta, batch, 64 + batch)[:2]
     values = torch.full((64, D), float("nan"), dtype=torch.float16, device=device)
     ragged_pack.pack_from(args, values, offsets, lens, extent)
     want = ragged_pack.pack_ref(x, meta[: len(lengths) + 1].tolist(), lengths, used)
@@ -203,7 +226,8 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
         assert lens != keys
         assert graph_layout.key_lengths(meta, batch, programs).cpu().tolist() == keys + [0] * (batch - B)
     want_meta, total, _ = _host_meta(lens, 1, 16, batch, programs)
-    assert meta[: meta_size(batch, programs)].cpu().tolist() == want_meta.tolist()  # offsets, lengths, grid, blocks
+    got = graph_layout.sections(meta.cpu(), batch, programs)  # offsets, lengths, grid, blocks
+    assert [s.tolist() for s in got] == [s.tolist() for s in graph_layout.sections(want_meta, batch, programs)]
     offsets = meta[: batch + 1]
     values = torch.full((batch * width, D), float("nan"), dtype=torch.float16, device=device)
     masked_pack.pack_masked(args, values, offsets, batch, width, first)
@@ -225,7 +249,7 @@ def test_a_layout_from_a_mask_is_packed():
         graph_layout.layout(args, meta, 2, 4, 16, 8, from_mask=True)
     with pytest.raises(ValueError, match="from_mask"):
         graph_layout.layout(args, meta, 2, 4, 16, 1, first_column=True)
-    with pytest.raises(ValueError, match="meta must be int32 of 14"):  # room for the key lengths
+    with pytest.raises(ValueError, match=f"meta must be int32 of {meta_size(2, 4, True)}"):  # room for the key lengths
         graph_layout.layout(args, meta, 2, 4, 16, 1, from_mask=True, first_column=True)
 
 
