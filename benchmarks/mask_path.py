@@ -6,7 +6,8 @@
 A wrapped model called with the attention mask must read the batch's lengths off the GPU before it can plan
 and launch the ragged arm; called with lengths= it plans at once. Per row, both calls are timed (CUDA events
 around one call, synchronised after it, median of --reps), and each step of the runtime's path is timed on
-the host (perf_counter around the embeddings' launch, the mask read, the plan and the arm) with a CUDA event
+the host (perf_counter around the embeddings' launch before the read, which the runtime skips where its graphs
+run the embeddings themselves, the mask read, the plan and the arm) with a CUDA event
 at the arm's start: `gpu_to_arm_ms` is the GPU time from the call's start to the arm's first work, what the
 mask path adds before the arm runs. Steps are medians over the timed calls. The forced cuBLAS ragged graph
 given host lengths (no read, no plan) is the floor. Prints a table, writes benchmarks/results/mask_path.json.

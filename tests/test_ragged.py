@@ -111,6 +111,35 @@ def test_from_mask_matches_from_padded(backend):
     assert a.lengths == tuple(lengths) and torch.equal(a.values, b.values)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    B=st.integers(0, 6),
+    data=st.data(),
+    width=st.sampled_from([0, 1, 7, 16, 33, 5000]),
+    as_int=st.booleans(),
+)
+def test_mask_lengths_counts_and_finds_the_first_row_that_is_not_right_padded(B, data, width, as_int):
+    """The runtime's mask read (one weighted sum per row): each row's real tokens, and the first row whose real
+    tokens are not a prefix, for any pattern, long rows included (exact integer sums)."""
+    from autoragged._ragged import mask_lengths
+
+    kinds = data.draw(st.lists(st.sampled_from(["prefix", "random", "left"]), min_size=B, max_size=B))
+    pad = torch.ones(B, width, dtype=torch.bool)
+    for i, kind in enumerate(kinds):
+        n = data.draw(st.integers(0, width))
+        if kind == "prefix":
+            pad[i, :n] = False
+        elif kind == "left":
+            pad[i, width - n :] = False
+        else:
+            pad[i] = torch.tensor(data.draw(st.lists(st.booleans(), min_size=width, max_size=width)), dtype=torch.bool)
+    real = ~pad
+    want_lengths = tuple(int(r.sum()) for r in real)
+    bad = [i for i, r in enumerate(real) if not bool(r[: int(r.sum())].all())]
+    got = mask_lengths(pad.to(torch.int32) if as_int else pad)
+    assert got == (want_lengths, bad[0] if bad else None)
+
+
 def test_integer_mask_is_accepted():
     x = torch.randn(2, 4, 3)
     rt = strip_padding(x, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
