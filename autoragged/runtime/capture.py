@@ -234,48 +234,23 @@ class _RaggedGraph:
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
                 return values_fn(values, layout, config, causal)
 
-        elif io == "mask" and self.inputs is not None:  # the embeddings too, from static token ids
-            width, embed = max_len, body.embed
-            ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-            types = self.types = torch.zeros_like(ids) if self.inputs == "ids_tt" else None
-            made = {}
-
-            def run():
-                mailbox.fetch()
-                made["x"] = x = embed(module, {"input_ids": ids, "token_type_ids": types})  # (batch, width, D)
-                if x.shape != (batch, width, D) or x.stride(2) != 1:
-                    raise ValueError(f"the embeddings came out {tuple(x.shape)}, not ({batch}, {width}, {D})")
-                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
-
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
-            width = max_len
+            width, embed_ids = max_len, self._embed_step(module, body, batch, max_len, D, device)
 
             def run():
                 mailbox.fetch()
+                if embed_ids is not None:
+                    embed_ids()
                 return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
 
-        elif self.inputs is not None:  # io="padded", the embeddings too, from static token ids (`run_padded_ids`)
-            extent, width, embed = -(-max_len // align) * align, max_len, body.embed
-            ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-            types = self.types = torch.zeros_like(ids) if self.inputs == "ids_tt" else None
-            made = {}
+        else:  # io="padded": pack the caller's x, or the embeddings of static token ids (`run_padded_ids`)
+            extent, embed_ids = -(-max_len // align) * align, self._embed_step(module, body, batch, max_len, D, device)
 
             def run():
                 mailbox.fetch()
                 graph_layout.layout(args, meta, batch, programs, block_m, align)
-                made["x"] = x = embed(module, {"input_ids": ids, "token_type_ids": types})  # (batch, width, D)
-                if x.shape != (batch, width, D) or x.stride(2) != 1:
-                    raise ValueError(f"the embeddings came out {tuple(x.shape)}, not ({batch}, {width}, {D})")
-                ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
-                out = values_fn(values, layout, config, causal)
-                ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
-
-        else:
-            extent = -(-max_len // align) * align
-
-            def run():
-                mailbox.fetch()
-                graph_layout.layout(args, meta, batch, programs, block_m, align)
+                if embed_ids is not None:  # pack reads them through the args' pointer, as it reads a caller's x
+                    embed_ids()
                 ragged_pack.pack_from(args, values, layout.offsets, layout.lengths, extent)
                 out = values_fn(values, layout, config, causal)
                 ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, max_len)
@@ -286,7 +261,26 @@ class _RaggedGraph:
         if io == "mask":
             self.pads = self.output
         if self.inputs is not None:
-            self.x = made["x"]  # the captured run's embeddings: the replays write them in place
+            self.x = self._made["x"]  # the captured run's embeddings: the replays write them in place
+            del self._made
+
+    def _embed_step(self, module, body, batch: int, width: int, D: int, device):
+        """With `inputs` ("ids" / "ids_tt"): the static token ids (and types) the replays fill, and the graph's
+        step that runs the body's embedding module on them ((batch, width, D), kept in `_made` for `self.x`);
+        else None. The step holds the buffers, never `self` (the capture closure must not)."""
+        if self.inputs is None:
+            return None
+        embed, made = body.embed, {}
+        ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        types = self.types = torch.zeros_like(ids) if self.inputs == "ids_tt" else None
+        self._made = made
+
+        def embed_ids():
+            made["x"] = x = embed(module, {"input_ids": ids, "token_type_ids": types})
+            if x.shape != (batch, width, D) or x.stride(2) != 1:
+                raise ValueError(f"the embeddings came out {tuple(x.shape)}, not ({batch}, {width}, {D})")
+
+        return embed_ids
 
     def replay(self, values: tuple | None = None) -> None:
         """Replay on the batch of args `values` (the head, then any lengths; () for no batch, None for the
