@@ -12,7 +12,7 @@ import math
 
 from .kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
 
-__all__ = ["ladder", "ragged_bucket", "padded_bucket", "LADDER_VERSION"]
+__all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "LADDER_VERSION"]
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
 # other work, and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
@@ -42,3 +42,14 @@ def ragged_bucket(rows: int, batch: int, max_len: int) -> tuple[int, int, int]:
 def padded_bucket(batch: int, seq_len: int) -> tuple[int, int]:
     """(batch, padded length) of the padded graph: the batch as it is, the length on a ladder."""
     return batch, ladder(seq_len, floor=16, multiple=16, steps=8)
+
+
+@functools.lru_cache(maxsize=4096)
+def mask_width(seq_len: int) -> int:
+    """The padded length of the ragged graph fed the mask (`GraphCache.ragged_mask`): 2 rungs per octave. Its
+    linears and attention stop at the rows and lengths the device counts, so a wider bucket costs memory and
+    the embedding step over the spare columns, not the layers' work; and each bucket a stream meets is a
+    capture (bert-base: 20-30 ms). On the padded graph's 8 rungs per octave, a 64-batch stream of new batches
+    (MNLI B=32, after 24 warm-up batches) still met two new buckets: 53 ms of captures in 112 ms (H200,
+    2026-11-25, `benchmarks/stream_table.py --quick --models bert-base`)."""
+    return ladder(seq_len, floor=16, multiple=16, steps=2)

@@ -12,7 +12,7 @@ from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoragged._buckets import ladder, padded_bucket, ragged_bucket
+from autoragged._buckets import ladder, mask_width, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
@@ -56,6 +56,8 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
     assert r >= n and r % 128 == 0 and (n < 256 or r <= n * 1.2 + 128)
     b, L = padded_bucket(32, n)
     assert b == 32 and L >= n and L % 16 == 0 and (n < 16 or L <= n * 1.1 + 16)
+    w = mask_width(n)  # the mask graph's: 2 rungs an octave
+    assert w >= L and w % 16 == 0 and (n < 16 or w <= n * 1.42 + 16)
 
 
 @pytest.mark.parametrize("n", [257, 1000, 4097, 46913, 10**6])

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._buckets import padded_bucket, ragged_bucket
+from .._buckets import mask_width, padded_bucket, ragged_bucket
 from .capture import _PaddedGraph, _RaggedGraph, event_done, event_pending, mask_pass, record_event
 
 __all__ = [
@@ -392,8 +392,9 @@ class GraphCache:
         trusted=False,
     ):  # fmt: skip
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
-        batch rows of the padded bucket's length. `config` must name Triton linears (see io="mask");
-        `tile_rows`, the real rows its batches are expected to fill, picks the linears' tiles at capture.
+        batch rows of `mask_width(seq_len)` (2 rungs an octave: the layers' work stops at the counted rows).
+        `config` must name Triton linears (see io="mask"); `tile_rows`, the real rows its batches are expected
+        to fill, picks the linears' tiles at capture.
         `inputs`: None (it packs the caller's embeddings), or "ids" / "ids_tt" (`Call.graph_inputs`): it runs
         the body's embedding step itself (`run_mask_ids`). `trusted`: the lookup of a shape judged to win on
         this arm (runtime/unread.py), whose recurrence its verdict established already: captured at the first
@@ -401,7 +402,7 @@ class GraphCache:
         if config.backend != "triton":
             raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self._check_params(runtime._parameters(module))
-        width = padded_bucket(batch, seq_len)[1]
+        width = mask_width(seq_len)
         key = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
         make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)  # noqa: E731
         return self._get(key, make, device, "ragged/mask/triton", costs, 1 if trusted else None)
