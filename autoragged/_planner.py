@@ -41,13 +41,18 @@ _WINDOW = 8
 @dataclass(frozen=True)
 class Plan:
     """arm: the chosen arm; predicted_ms: arm label -> ms; reason: why; eager, eager_ms: the best arm that is
-    not a graph (what runs where the chosen graph is not captured) and its ms, where the planner chose."""
+    not a graph (what runs where the chosen graph is not captured) and its ms, where the planner chose;
+    mask_arm: the arm among the candidates that runs a mask unread (`Arm.mask_only`), or None. A plan is
+    cached per bucket of (B, max_len, tokens), and the arms' attention tiles follow max_len: a batch must
+    take the mask arm's label from its plan, not rebuild it from its own max_len (a CoLA B=128 batch of 34
+    tokens found the plan of one of 32, whose arms have 32 x 32 tiles, and no prediction for its own)."""
 
     arm: Arm
     predicted_ms: dict[str, float]
     reason: str
     eager: Arm | None = None
     eager_ms: float = 0.0
+    mask_arm: Arm | None = None
 
 
 def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
@@ -149,7 +154,8 @@ class Planner:
         if not np.isfinite(predicted[eager]):
             eager = 0
         finite = {a.label: round(float(p), 4) for a, p in zip(arms, predicted) if np.isfinite(p)}
-        plan = Plan(arms[best], finite, reason, arms[eager], finite.get(arms[eager].label, 0.0))
+        mask = next((a for a in arms if a.mask_only and a.label in finite), None)
+        plan = Plan(arms[best], finite, reason, arms[eager], finite.get(arms[eager].label, 0.0), mask)
         self._arms[key] = arms
         self._cache[key] = plan
         if len(self._cache) > _CACHE_SIZE:

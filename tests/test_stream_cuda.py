@@ -137,6 +137,49 @@ def test_a_trusted_shape_judged_one_batch_behind_never_synchronises():
     assert rt.mask_shapes[rt._shape_key(B, L)][0] > dispatch._TRUST  # judged again (and kept) along the way
 
 
+class _Backends:
+    """Predicts the cuBLAS ragged graph at 1 ms, the mask graph (Triton linears) at 50, anything else at 100."""
+
+    name = "fake"
+
+    def predict_ms(self, sig, stats, arms):
+        return [1.0 if a.graph and a.ragged and not a.mask_only else 50.0 if a.mask_only else 100.0 for a in arms]
+
+
+def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_bucket_recurs():
+    """A mask shape whose mask graph is kept, whose batch read its lengths (its verdict flipped) and planned a
+    cuBLAS graph not captured for its bucket: the kept mask graph runs it (the same function, no eager run, no
+    capture) until the bucket's _STAND_IN_SIGHTS-th sight, which captures the cuBLAS graph; the records say
+    which graph ran."""
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    rt = enc._autoragged
+    head = D // H
+    planner = Planner(rt.sig, _Backends(), lambda s: [Arm("ragged_graph", graph_config(head, s.max_len, b))
+                                                      for b in ("cublas", "triton")])  # fmt: skip
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    lengths = [60, 17, 33, 1]
+    x, mask = batch(lengths)
+    mask_arm = Arm("ragged_graph", graph_config(head, 60, "triton"))
+    entry = rt.mask_shapes[rt._shape_key(4, 60)] = dispatch._shape_entry(dispatch._TRUST, mask_arm, {})
+    rt.sync_samples.append(0.05)
+    with torch.inference_mode():
+        enc(x, src_key_padding_mask=mask)  # trusted: the mask graph is captured (first sight) and kept
+        assert entry[6] is not None and "not read" in autoragged.recent_decisions(enc, 1)[0].reason
+        want = rt.body.base.forward(enc, x, None, mask, None)
+        entry[0] = 0  # the verdict flipped: the next batches read their lengths
+        n = dispatch._STAND_IN_SIGHTS
+        for _ in range(n + 1):
+            y = enc(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+            assert entry[0] == 0  # (50 ms against 1 + the read: every one of them reads)
+    decisions = autoragged.recent_decisions(enc, n + 1)
+    stood_in = [dispatch.STOOD_IN in d.reason for d in decisions]
+    assert stood_in == [True] * (n - 1) + [False] * 2
+    assert all(d.arm == "ragged_graph" and d.config["backend"] == "triton" for d in decisions[: n - 1])
+    assert all(d.arm == "ragged_graph" and d.config["backend"] == "cublas" for d in decisions[n - 1 :])
+    assert rt.graphs.stats().captures == 2  # the mask graph, then the cuBLAS graph at the bucket's n-th sight
+
+
 def test_warmup_on_the_gpu_leaves_the_model_right():
     enc = autoragged.wrap(encoder(), db=False)
     s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)

@@ -434,6 +434,46 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     assert rt.mask_shapes[rt._shape_key(9, 40)][0] == 0
 
 
+def test_the_mask_graph_stays_one_arm_for_a_shape_whose_batches_straddle_an_attention_tile():
+    """The mask graph's attention tiles follow the batch's max_len (32 x 32 up to 32 tokens), and a mask
+    shape's batches have different ones: a verdict for the mask graph with the other tiles is a verdict
+    for the arm the shape already has (its graph and timings kept), not a new arm."""
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_samples.append(0.1)
+    short, longer = (Arm("ragged_graph", graph_config(16, n, "triton")) for n in (30, 34))
+    assert short != longer and short.mask_only and longer.mask_only
+    entry = rt._judge_shape(8, 34, {"padded": 1.0, short.label: 0.45}, short)
+    entry[5]["unread"].append(0.4)
+    entry[6] = "the kept graph"
+    rt._judge_shape(8, 34, {"padded": 1.0, longer.label: 0.45}, longer)
+    assert entry[:2] == [2, short] and entry[5]["unread"] == [0.4] and entry[6] == "the kept graph"
+
+
+def test_a_plan_names_its_mask_arm_whatever_the_batch_that_finds_it_cached():
+    """Plans are cached per bucket of (B, max_len, tokens): a batch of 34 tokens may get the plan of one of
+    32, whose arms carry 32 x 32 attention tiles. The mask arm a verdict weighs is the plan's (its label has
+    a prediction), not one rebuilt from the batch's max_len (whose label the plan does not have)."""
+    from autoragged.tuning_db import BatchStats
+
+    from autoragged._costmodel import AnalyticPrior, Arm
+    from autoragged._device import device_key
+    from autoragged._planner import Planner, graph_config
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    head_dim = rt.body.head_dim
+    arms = lambda s: [Arm("ragged_graph", graph_config(head_dim, s.max_len, b)) for b in ("cublas", "triton")]  # noqa: E731
+    planner = Planner(rt.sig, AnalyticPrior(device_key(torch.device("cpu"))), arms)
+    first = planner.plan(BatchStats.from_lengths((32, 20, 10)))
+    again = planner.plan(BatchStats.from_lengths((34, 20, 8)))  # the same bucket: the cached plan
+    assert again is first and first.mask_arm.mask_only and first.mask_arm.label in first.predicted_ms
+    assert Arm("ragged_graph", graph_config(head_dim, 34, "triton")).label not in first.predicted_ms
+
+
 class _DoneEvents:
     """A (start, end) pair of finished CUDA events that measured `ms`, for _harvest."""
 
@@ -452,7 +492,8 @@ class _DoneEvents:
 
 def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
     """The verdicts are predictions; timed runs overrule them: once two unread runs of a shape took longer
-    than its timed read path plus the read, the shape reads its lengths and is not trusted again."""
+    than its timed read path plus the read, the shape reads its lengths and is not trusted again; where
+    they took less, it stays trusted whatever later predictions say."""
     enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
     rt = enc._autoragged
     rt.sync_samples.append(0.1)
@@ -468,7 +509,10 @@ def test_a_trusted_shape_whose_unread_arm_measures_slower_is_read_again():
             rt.pending.append((ev, ev, 0.0, None, torch.device("cpu"), False, (probe, B, 40, kind)))
         rt._harvest()
         assert not rt.pending
-    assert rt.mask_shapes[rt._shape_key(8, 40)][0] == dispatch._TRUST  # 1.05 <= 1.0 + 0.1: it stays trusted
+    kept = rt.mask_shapes[rt._shape_key(8, 40)]
+    assert kept[0] == dispatch._TRUST and kept[5]["confirmed"]  # 1.05 <= 1.0 + 0.1: it stays trusted
+    rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.5})  # predicted to lose now
+    assert kept[0] == dispatch._TRUST + 1  # the timings stand
     lost = rt.mask_shapes[rt._shape_key(9, 40)]
     assert lost[5]["lost"] and lost[0] == 0  # 1.2 > 1.0 + 0.1
     rt._judge_shape(9, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})

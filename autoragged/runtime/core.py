@@ -54,9 +54,11 @@ from .unread import (  # noqa: F401 - the constants are read here by tests and t
     _READ,
     _RECHECK,
     _REJUDGE,
+    _STAND_IN_SIGHTS,
     _TRUST,
     _TRUST_RECHECK,
     _WAITED_MS,
+    STOOD_IN,
     UnreadShapes,
     _shape_entry,
 )
@@ -134,7 +136,8 @@ class Runtime(UnreadShapes):
         # `_shape_key(B, L)` -> [no-lengths verdicts in a row, the arm, unread batches since the last verdict,
         #           the last predictions, the last judged batch's tokens (the mask graph's linears pick their
         #           tiles for them), the probe: {"read": ms of timed read-path runs, "unread": ms of timed
-        #           unread runs, "left": unread runs still to time, "lost": the unread arm measured slower},
+        #           unread runs, "left": unread runs still to time, "lost": the unread arm measured slower,
+        #           "confirmed": it measured faster},
         #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
         #           to it, the GraphCache generation it was seen in, the record's reason, the device key),
         #           the record of the first unread batch since the last verdict (`_one_behind`) or None]
@@ -257,7 +260,7 @@ class Runtime(UnreadShapes):
         probe = None
         cuda = call.device.type == "cuda"
         if mask_only and free:
-            shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(call.device, stats), stats.total)
+            shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(call.device, plan), stats.total)
             if shape[0] > 0 and not shape[5]["lost"] and len(shape[5]["read"]) < _PROBES:
                 probe = (shape[5], B, L, "read")  # a verdict for the unread arm: time the read path too
         self.count += 1
@@ -279,13 +282,16 @@ class Runtime(UnreadShapes):
             start.record()
             host0 = time.perf_counter()
         policy_plan = plan if self.capture_policy else None
+        stand_in = None
+        if mask_only and free and arm.graph and arm.ragged and not arm.mask_only:
+            stand_in = self._stand_in(module, call, shape)
         if mask_only:
             t_exec = time.perf_counter()
-        out, note = self._execute(module, call, arm, lens, stats, not_prefix, policy_plan)
+        out, note = self._execute(module, call, arm, lens, stats, not_prefix, policy_plan, stand_in)
         if sampled:
             host_ms = (time.perf_counter() - host0) * 1e3
         if mask_only:  # the drained GPU idled until the replay was queued (an eager arm: its first kernel)
-            t_queued = time.perf_counter() if arm.graph and note is None else t_exec
+            t_queued = time.perf_counter() if arm.graph and (note is None or note is STOOD_IN) else t_exec
             self.prelaunch.append((t_queued - t_read) * 1e3)
         graphs = self.graphs
         if graphs is not None and graphs.deferred is not None:  # the batch's eager run is queued: capture now
@@ -296,8 +302,8 @@ class Runtime(UnreadShapes):
         record = Record(stats, arm, plan.predicted_ms, why, device_key(call.device), self.sig_key)
         if sampled and graphs is not None and graphs.captures != captures:
             sampled = False  # this call captured a graph: its time is not the arm's latency
-        if note:  # a graph arm ran eagerly this time: record what really ran, and why
-            record.arm = self._fallback(arm, policy_plan, call) if arm.graph else arm
+        if note:  # a graph arm ran eagerly this time, or the shape's mask graph: record what really ran, and why
+            record.arm = shape[1] if note is STOOD_IN else self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
         if graphs is not None and graphs.evicted_note:  # captured in this call, evicting others to keep it
@@ -469,18 +475,33 @@ class Runtime(UnreadShapes):
 
         return Planner(self.sig, model, candidates)
 
-    def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, plan: Plan | None = None):
+    def _execute(
+        self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, plan: Plan | None = None, stand_in=None
+    ):  # fmt: skip
         """Run `arm`; returns (output, note) where note says why a graph arm ran eagerly (else None): then
         `_fallback(arm, plan, call)` ran. With the `plan` the arm came from, a graph is captured only where the
-        capture pays, after the batch's eager run (`GraphCache._get`)."""
+        capture pays, after the batch's eager run (`GraphCache._get`). stand_in: (the mask graph kept for the
+        call's shape, its graph inputs) or None (`_stand_in`): a ragged graph arm whose bucket is not captured
+        yet replays it instead until the bucket's `_STAND_IN_SIGHTS`-th sight (note `STOOD_IN`)."""
         note = None
         if arm.graph:
             costs = None
             if plan is not None and plan.eager is not None and arm.label in plan.predicted_ms:
                 costs = (plan.eager_ms, plan.predicted_ms[arm.label])
-            out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs)
+            min_seen = _STAND_IN_SIGHTS if stand_in is not None else None
+            out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs, min_seen)
             if note is None:
                 return out, None
+            from .graphs import FIRST_SIGHT, RARE
+
+            if stand_in is not None and note in (FIRST_SIGHT, RARE) and self.graphs.deferred is None:
+                graph, inputs = stand_in
+                out = (
+                    graph.run_mask(call.x, call.kpm)
+                    if inputs is None
+                    else graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
+                )
+                return call.finish(out), STOOD_IN
             arm = self._fallback(arm, plan, call)
         if not arm.ragged:
             return call.padded(module, lens, stats), note
@@ -505,8 +526,9 @@ class Runtime(UnreadShapes):
             hidden = [unpack(h) for h in hidden]
         return call.finish(unpack(values), hidden), note
 
-    def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None):
-        """(output, None) from a replayed graph, or (None, why it must run eagerly)."""
+    def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None, min_seen=None):
+        """(output, None) from a replayed graph, or (None, why it must run eagerly). min_seen: the sight of a
+        ragged graph's bucket it is captured at the earliest (default: the cache's)."""
         device = call.device
         if self._graph_cache(device) is None:
             return None, "CUDA graphs need a GPU"
@@ -525,7 +547,7 @@ class Runtime(UnreadShapes):
             dtype = self._param().dtype
             graph, note = self.graphs.ragged(
                 self, module, arm.config, call.causal, stats, rows, dtype, device, io, costs,
-                inputs[0] if inputs is not None else None,
+                inputs[0] if inputs is not None else None, min_seen,
             )  # fmt: skip
             if graph is None:
                 return None, note

@@ -93,6 +93,7 @@ _CAPTURE_PRIOR = {"single": 4.0, "rows": 12.0}
 _COST_SAMPLES = 8
 _MAX_SEEN = 4096  # recurrence entries kept (pruned of the faded ones beyond)
 FIRST_SIGHT = "graph bucket seen for the first time (captured when it recurs)"
+RARE = "graph bucket not seen often enough yet to capture"
 NOT_WORTH = "graph not worth capturing yet (the bucket's recurrence does not repay a capture)"
 CAPTURE_NEXT = "graph captured after this batch ran eagerly"
 BOUND = "the graph memory bound is reached (no more captures)"
@@ -257,7 +258,7 @@ class GraphCache:
         if key in self.failed:
             return None, f"graph capture failed earlier: {self.failed[key]}"
         if entry[2] < (self.min_seen if min_seen is None else min_seen):
-            return None, FIRST_SIGHT
+            return None, FIRST_SIGHT if entry[2] == 1 else RARE
         if self.limit_bytes is not None and self.kept_bytes >= self.limit_bytes:
             return None, BOUND
         kind = kind() if callable(kind) else kind
@@ -345,11 +346,13 @@ class GraphCache:
                           self.capture_ms, len(self.failed), self.evictions, self.declined, kinds)  # fmt: skip
 
     def ragged(
-        self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded", costs=None, inputs=None
-    ):
+        self, runtime, module, config, causal, stats, rows_needed, dtype, device, io="padded", costs=None, inputs=None,
+        min_seen=None,
+    ):  # fmt: skip
         """The ragged graph of a batch of host lengths (`stats`, `rows_needed` values rows): io "padded" (it packs
         the caller's padded input, or with `inputs` "ids" / "ids_tt" (`Call.graph_inputs`) runs the body's
-        embedding step itself: `run_padded_ids`) or "values" (a RaggedTensor's values)."""
+        embedding step itself: `run_padded_ids`) or "values" (a RaggedTensor's values). min_seen: the sight
+        of the bucket it is captured at the earliest (default: the cache's)."""
         self._check_params(runtime._parameters(module))
         key = ("ragged", *ragged_bucket(rows_needed, stats.batch, stats.max_len), config, causal, io, inputs)
 
@@ -358,7 +361,7 @@ class GraphCache:
             return f"ragged/{io}/{config.backend}" + ("+rows" if timed else "")
 
         make = lambda: self._ragged_rows(runtime, module, config, causal, key[1:], dtype, device)  # noqa: E731
-        return self._get(key, make, device, kind, costs)
+        return self._get(key, make, device, kind, costs, min_seen)
 
     def _ragged_rows(self, runtime, module, config, causal, key, dtype, device) -> _RaggedGraph:
         """The ragged graph of bucket `key` (rows, batch, max_len, ...); with cuBLAS linears, of the bucket's

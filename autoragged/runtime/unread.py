@@ -4,8 +4,8 @@ A batch that comes with a CUDA key padding mask alone must read its lengths (a d
 before any arm that needs them can run. `UnreadShapes`, a part of `Runtime` (runtime/core.py), keeps per
 shape (B and the padded graph's length bucket) whether an arm that needs no lengths (padded, padded graph,
 the ragged graph fed the mask) keeps winning with the read's cost counted against the others, runs the
-trusted shapes' batches on the mask itself, judges them again one batch behind, and revokes a verdict that
-timing contradicts.
+trusted shapes' batches on the mask itself, judges them again one batch behind, and lets timings settle
+a verdict: revoked where they contradict it, kept where they confirm it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 from .._buckets import padded_bucket
 from .._costmodel import PADDED, PADDED_GRAPH, Arm
 from .._device import device_key
-from .._planner import graph_config
-from ..tuning_db import BatchStats
+from .._planner import Plan
 from .records import PadsRing, Record, timers
 
 __all__ = ["UnreadShapes"]
@@ -36,7 +35,8 @@ log = logging.getLogger("autoragged")
 # The verdicts come from predictions; on the GPU they are checked by timing: the judged batches that read
 # lengths and the first _PROBES of a trusted shape run fed the mask are timed with CUDA events (harvested
 # later, never blocking), and a shape whose unread arm measured slower than its read path plus the read is
-# not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23).
+# not trusted again (the mask graph can lose where the model says it wins: H100, Wiki512 B=64, 2026-11-23);
+# one measured faster stays trusted whatever later predictions say (`_probe_result`).
 # Runtime.mask_reads = "recheck" is the rule before one-batch-behind judging (2026-11-24): exact (B, L)
 # shapes, trusted after 3 wins, every 16th batch reading its lengths, the read's cost its own time only.
 _TRUST = 2
@@ -46,12 +46,20 @@ _REJUDGE = 8
 _MAX_SHAPES = 4096
 _PROBES = 3
 _READ = object()  # `_run_unread`: this batch takes the read path after all
+# A mask-only batch that read its lengths, of a shape whose mask graph is kept (and not measured slower), whose
+# planned ragged graph is not captured for its bucket: it replays the shape's mask graph (the same work, the
+# lengths counted on the device) instead of running eagerly or capturing, until the bucket's _STAND_IN_SIGHTS-th
+# sight. A trusted shape reads only when a close verdict flips, so its read path's buckets were rarely seen: on a
+# stream of new batches they came once or twice and each paid an eager run or a capture (bert-base, CoLA
+# B=128: 6-9 of 64 batches read, 2-3 captures of 20-35 ms; 1.3 ms a batch unread; H100, 2026-11-25).
+_STAND_IN_SIGHTS = 8
+STOOD_IN = "the read path's graph for this bucket is not captured yet: the shape's graph fed the mask ran"
 _WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
 
 
 def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
     """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
-    probe = {"read": [], "unread": [], "left": _PROBES, "lost": False}
+    probe = {"read": [], "unread": [], "left": _PROBES, "lost": False, "confirmed": False}
     return [streak, arm, 0, predicted or {}, tokens, probe, None, None]
 
 
@@ -122,15 +130,16 @@ class UnreadShapes:
 
             self.pipelined = event_pending(ring.events[ring.i])
         plan = self._plan(device, stats, None)
-        self._judge_entry(shape, plan.predicted_ms, self._mask_graph_arm(device, stats), stats.total)
+        self._judge_entry(shape, plan.predicted_ms, self._mask_graph_arm(device, plan), stats.total)
 
-    def _mask_graph_arm(self, device: torch.device, stats: BatchStats) -> Arm | None:
+    def _mask_graph_arm(self, device: torch.device, plan: Plan) -> Arm | None:
         """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
-        rows the graph counts on the device), or None where graphs do not run. Fed the mask or the lengths
-        it does the same work, so the batch's own prediction for it holds for either."""
+        rows the graph counts on the device) as `plan` (a `Plan`) predicted it, or None where graphs do not
+        run. Fed the mask or the lengths it does the same work, so the batch's own prediction for it holds
+        for either."""
         if not (self.graphs_enabled and device.type == "cuda" and self.body.mask_graph):
             return None
-        return Arm("ragged_graph", graph_config(self.body.head_dim, stats.max_len, "triton"))
+        return plan.mask_arm
 
     def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
         """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
@@ -152,11 +161,18 @@ class UnreadShapes:
         best = min(unread, key=unread.get) if unread else None
         wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.read_cost_ms)
         entry[2], entry[7] = 0, None  # a verdict: the unread batches since, and the one to judge from, start anew
-        if wins and not entry[5]["lost"]:
+        probe = entry[5]
+        if probe["confirmed"] and not probe["lost"]:
+            wins, best = True, None  # timed runs found the kept arm faster: predictions do not overrule them
+        if wins and not probe["lost"]:
             entry[0] += 1
-            arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm)
+            arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm) if best else entry[1]
+            if arm.mask_only and entry[1].mask_only:
+                # the mask graph with other attention tiles (they follow the batch's max_len, which a mask
+                # shape's batches do not share): the same arm for the shape, its graph and timings kept
+                arm = entry[1]
             if arm != entry[1]:  # another arm: its timings start afresh, and its graph is not the one kept
-                entry[5].update(read=[], unread=[], left=_PROBES)
+                probe.update(read=[], unread=[], left=_PROBES, confirmed=False)
                 entry[6] = None
             entry[1] = arm
             entry[3], entry[4] = predicted, tokens
@@ -213,19 +229,40 @@ class UnreadShapes:
             shape[7] = record  # the batch whose stats judge the shape again (`_one_behind`)
         return self._unread_done(record, pads, width, B, L, out)
 
+    def _stand_in(self, module, call, shape: list):
+        """(the shape's kept mask graph, the call's graph inputs) for a batch of the shape that read its lengths
+        (see _STAND_IN_SIGHTS), or None: the shape's arm is not the mask graph, measured slower, or its graph is
+        not kept or cannot take this call."""
+        if shape[6] is None or not shape[1].mask_only or shape[5]["lost"] or self.graphs is None:
+            return None
+        self.graphs._check_params(self._parameters(module))
+        return self._kept_graph(call, shape)
+
+    def _kept_graph(self, call, shape: list):
+        """(the graph shape[6] keeps, the call's graph inputs or None) where it is still cached and can replay
+        this call, else None."""
+        ref, generation = shape[6][0], shape[6][1]
+        graph = ref() if self.graphs.generation == generation else None
+        if graph is None or call.kpm.shape != (call.B, call.L):
+            return None
+        inputs = call.graph_inputs() if shape[1].ragged else None
+        if graph.inputs != (inputs[0] if inputs is not None else None):  # ids now, x then (or the reverse)
+            return None
+        return graph, inputs
+
     def _replay_unread(self, module, call, shape: list):
         """The hot path of a trusted mask-only shape whose arm's graph is captured (`shape[6]`): the fewest
         steps before the replay, because a short batch's latency is the host time before its replay plus
         the GPU's. None when this batch must take the general path instead: the shape is not trusted, it is
         due a read or a timing, something differs (`_dynamic_reason`, the input), or the graph left the
         cache."""
-        ref, generation, why, device = shape[6]
+        why, device = shape[6][2], shape[6][3]
         graphs = self.graphs
         since = shape[2] + 1
         if (
             shape[0] < self.trust or since >= _RECHECK or (shape[5]["left"] > 0 and self.sample_every > 0)
             or (since >= _REJUDGE and shape[7] is not None and self.mask_reads != "recheck")  # `_one_behind` is due
-            or graphs is None or graphs.generation != generation or not self.graphs_enabled or self.policy != "auto"
+            or graphs is None or graphs.generation != shape[6][1] or not self.graphs_enabled or self.policy != "auto"
             or call.passthrough is not None or call.ragged_in is not None or call.eager_only is not None
         ):  # fmt: skip
             return None
@@ -234,12 +271,10 @@ class UnreadShapes:
         if self.static_reason or self._dynamic_reason(module, call) is not None:
             return None
         graphs._check_params(self._parameters(module))
-        graph = ref()
-        if graph is None or graphs.generation != generation:  # parameters moved: the graphs are gone
+        kept = self._kept_graph(call, shape)  # (parameters moved: the graphs are gone)
+        if kept is None:
             return None
-        inputs = call.graph_inputs() if shape[1].ragged else None
-        if graph.inputs != (inputs[0] if inputs is not None else None):  # ids now, x then (or the reverse)
-            return None
+        graph, inputs = kept
         shape[2] += 1
         self.count += 1
         out = graph.run_mask(call.x, call.kpm) if inputs is None else graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
@@ -289,19 +324,29 @@ class UnreadShapes:
         return out, call.kpm.sum(1, dtype=torch.int32), call.L, note, None
 
     def _probe_result(self, probe: dict, B: int, L: int, kind: str, ms: float) -> None:
-        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in,
-        a shape whose unread arm took longer than its read path plus the read's cost loses its trust
-        (the predictions said otherwise)."""
+        """One timed run of (B, L), `kind` "read" or "unread": once a read run and two unread ones are in, the
+        timings judge the shape instead of the predictions. A shape whose unread arm took longer than its read
+        path plus the read's cost loses its trust for good; one whose unread arm was faster keeps it
+        (`_judge_entry`) whatever later predictions say, until a later timing says otherwise. Predictions
+        alone flipped a close shape back and forth: bert-base, MNLI B=128, the mask graph predicted 4.3-4.9 ms
+        against 3.1-3.9 for the cuBLAS graph plus a read of 1.0-1.3, so 8 of a stream's 64 batches read their
+        lengths (and one captured a graph, 66 ms) where the mask graph took 3.20 ms a batch and reading every
+        batch 3.85 (H100, 2026-11-25, `benchmarks/verdict_trace.py`). The read counts as in the verdicts
+        (`read_cost_ms`): with the read's own time alone, a shape that read its lengths in a stream of new
+        batches lost the drained GPU's idle time from the comparison, and the mask graph its trust."""
         probe[kind].append(ms)
         if len(probe["unread"]) < 2 or not probe["read"] or probe["lost"]:
             return
         unread, read = min(probe["unread"]), min(probe["read"])
-        if unread > read + self.sync_ms:
+        # the read's cost as the verdicts count it: a read path's run is timed from after its read, so in a
+        # stream (the host ahead) it leaves out the drained GPU's idle time that `read_cost_ms` adds
+        probe["confirmed"] = unread <= read + self.read_cost_ms
+        if not probe["confirmed"]:
             probe["lost"] = True
             entry = self.mask_shapes.get(self._shape_key(B, L))
             if entry is not None and entry[5] is probe:
                 entry[0] = 0
             log.info(
                 "autoragged %s: B=%d L=%d fed the mask took %.3f ms, reading lengths %.3f + %.3f ms: reading them",
-                self.sig_key, B, L, unread, read, self.sync_ms,
+                self.sig_key, B, L, unread, read, self.read_cost_ms,
             )  # fmt: skip

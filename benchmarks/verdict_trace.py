@@ -1,0 +1,186 @@
+"""What the runtime did with each batch of a stream of mask-only batches, and why (a diagnostic).
+
+    python benchmarks/verdict_trace.py --rows CoLA:128 MNLI:128 [--models bert-base]
+
+For each row, the stream of `benchmarks/stream_table.py` (the same seeds: 24 warm-up batches, then 64 timed ones
+back to back) runs on a fresh `autoragged.wrap(model)` called with the mask, and per timed batch it logs the
+path taken (a replay of the shape's kept graph fed the mask, an unread run, or a read and the arm run on the
+lengths), the graphs captured inside it, and every verdict (`_judge_entry`: the mask arm's prediction against
+the best arm needing lengths plus the read's cost). The same stream runs with the verdict forced each way
+(`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=`, so a
+row shows which rule would have been right in the stream. Prints one line per row and column and the batch
+sequence of the auto column; writes benchmarks/results/verdict_trace.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged.runtime import core, unread  # noqa: E402
+from benchmarks._common import environment, write_json  # noqa: E402
+from benchmarks.stream_table import _graph_totals, _what_ran, build_hf, make_batches, run_stream  # noqa: E402
+
+TRACE: dict = {"calls": [], "verdicts": []}
+
+
+def _patch():
+    """Wrap the runtime's decision points so each call logs what it did (class-level, for this process)."""
+    judge, replay, run_unread, execute = (
+        unread.UnreadShapes._judge_entry, unread.UnreadShapes._replay_unread,
+        unread.UnreadShapes._run_unread, core.Runtime._execute,
+    )  # fmt: skip
+
+    def _judge(self, entry, predicted, mask_arm, tokens):
+        label = mask_arm.label if mask_arm is not None else None
+        needs = {k: v for k, v in predicted.items() if k not in ("padded", "padded_graph", label)}
+        best = min(needs, key=needs.get) if needs else None
+        out = judge(self, entry, predicted, mask_arm, tokens)
+        TRACE["verdicts"].append({
+            "call": len(TRACE["calls"]), "mask": predicted.get(label), "best": best,
+            "best_ms": needs.get(best), "read_cost": round(self.read_cost_ms, 4), "streak": out[0],
+            "arm": out[1].label, "lost": out[5]["lost"], "pipelined": self.pipelined,
+        })  # fmt: skip
+        return out
+
+    def _replay(self, module, call, shape):
+        out = replay(self, module, call, shape)
+        if out is not None:
+            TRACE["path"] = "R"
+        return out
+
+    def _unread(self, module, call, shape):
+        out = run_unread(self, module, call, shape)
+        if out is not unread._READ:
+            TRACE["path"] = "U"
+        return out
+
+    def _execute(self, module, call, arm, *a, **k):
+        TRACE["path"] = "read:" + arm.label + (f":{arm.config.backend}" if arm.config is not None else "")
+        return execute(self, module, call, arm, *a, **k)
+
+    unread.UnreadShapes._judge_entry = _judge
+    core.Runtime._replay_unread = _replay
+    core.Runtime._run_unread = _unread
+    core.Runtime._execute = _execute
+
+
+@contextlib.contextmanager
+def _read_cost(value: float | None):
+    """The verdict's read cost forced to `value` (None: as computed)."""
+    original = unread.UnreadShapes.read_cost_ms
+    if value is not None:
+        unread.UnreadShapes.read_cost_ms = property(lambda self: value)
+    try:
+        yield
+    finally:
+        unread.UnreadShapes.read_cost_ms = original
+
+
+def traced_stream(model, batches, lengths: bool) -> list[dict]:
+    calls = []
+    for b in batches:
+        TRACE["path"] = "?"
+        before = _graph_totals(model)["captures"]
+        t0 = time.perf_counter()
+        if lengths:
+            model(input_ids=b.x, lengths=b.lengths)
+        else:
+            model(input_ids=b.x, attention_mask=b.mask)
+        host = (time.perf_counter() - t0) * 1e3
+        calls.append({"path": TRACE["path"], "host_ms": round(host, 3), "max_len": b.stats.max_len,
+                      "total": b.stats.total, "captured": _graph_totals(model)["captures"] - before})  # fmt: skip
+        TRACE["calls"].append(calls[-1])
+    return calls
+
+
+def _caller(model, lengths: bool):
+    if lengths:
+        return lambda b: model(input_ids=b.x, lengths=b.lengths)
+    return lambda b: model(input_ids=b.x, attention_mask=b.mask)
+
+
+def run_row(plain, dataset: str, batch: int, device) -> dict:
+    cfg = plain.config
+    seed = sum(map(ord, dataset)) * 1000 + batch
+    dtype = next(plain.parameters()).dtype
+    warm = make_batches("hf", dataset, batch, 24, seed, device, cfg.hidden_size, dtype, cfg.vocab_size)
+    timed = make_batches("hf", dataset, batch, 64, seed + 1, device, cfg.hidden_size, dtype, cfg.vocab_size)
+    row: dict = {"dataset": dataset, "batch": batch}
+    for col, cost, lengths in (("auto", None, False), ("always_mask", float("inf"), False),
+                               ("always_read", float("-inf"), False), ("auto_lengths", None, True)):  # fmt: skip
+        model = autoragged.wrap(copy.deepcopy(plain), db=False)
+        with torch.inference_mode(), _read_cost(cost):
+            call = _caller(model, lengths)
+            for b in warm:
+                call(b)
+            before = _graph_totals(model)
+            seconds = run_stream(call, timed, device)
+            after = _graph_totals(model)
+            TRACE["calls"], TRACE["verdicts"] = [], []
+            # the same stream again, call by call, for the trace (its graphs now captured: a second pass)
+            if col == "auto":
+                fresh = autoragged.wrap(copy.deepcopy(plain), db=False)
+                call2 = _caller(fresh, False)
+                for b in warm:
+                    call2(b)
+                calls = traced_stream(fresh, timed, False)
+                row["trace"] = {"calls": calls, "verdicts": TRACE["verdicts"]}
+                del fresh
+        row[col] = {"ms": round(1e3 * seconds / len(timed), 4), "captures": after["captures"] - before["captures"],
+                    "capture_ms": round(after["capture_ms"] - before["capture_ms"], 1),
+                    **_what_ran(model, len(timed))}  # fmt: skip
+        del model
+        gc.collect()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=["CoLA:128", "MNLI:128"], help="DATASET:B")
+    p.add_argument("--models", default="bert-base")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (2 layers, width 64): the CPU smoke run")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/verdict_trace.json)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    _patch()
+    plain = build_hf(args.models, device, tiny=args.tiny)
+    rows = []
+    for spec in args.rows:
+        dataset, b = spec.split(":")
+        row = run_row(plain, dataset, int(b), device)
+        rows.append(row)
+        for col in ("auto", "always_mask", "always_read", "auto_lengths"):
+            print(f"{dataset} B={b} {col}: {json.dumps(row[col])}")
+        seq = "".join({"R": "r", "U": "u"}.get(c["path"], "c" if "cublas" in c["path"] else "t" if "triton" in
+                      c["path"] else "p") + ("*" if c["captured"] else "") for c in row["trace"]["calls"])  # fmt: skip
+        print(
+            f"  sequence (r replay fed the mask, u unread run, c/t/p read then cuBLAS/Triton graph or eager/padded,"
+            f" * captured): {seq}"
+        )
+        flips = [v for v in row["trace"]["verdicts"]]
+        for v in flips[:40]:
+            print(
+                f"  verdict at {v['call']}: mask {v['mask']} vs {v['best']} {v['best_ms']} + read {v['read_cost']}"
+                f" -> streak {v['streak']} {v['arm']} lost={v['lost']} pipelined={v['pipelined']}"
+            )
+    path = args.out or str(pathlib.Path(__file__).parent / "results" / "verdict_trace.json")
+    write_json(path, {"env": environment(), "args": vars(args), "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
