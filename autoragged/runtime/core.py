@@ -488,7 +488,7 @@ class Runtime(UnreadShapes):
             costs = None
             if plan is not None and plan.eager is not None and arm.label in plan.predicted_ms:
                 costs = (plan.eager_ms, plan.predicted_ms[arm.label])
-            min_seen = _STAND_IN_SIGHTS if stand_in is not None else None
+            min_seen = max(_STAND_IN_SIGHTS, self.graphs.min_seen) if stand_in is not None else None
             out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs, min_seen)
             if note is None:
                 return out, None
