@@ -35,8 +35,9 @@ from benchmarks.stream_table import _graph_totals, _what_ran, build_hf, make_bat
 TRACE: dict = {"calls": [], "verdicts": []}
 
 
-def _patch():
-    """Wrap the runtime's decision points so each call logs what it did (class-level, for this process)."""
+@contextlib.contextmanager
+def _patched():
+    """The runtime's decision points wrapped so each call logs what it did (class-level, undone on exit)."""
     judge, replay, run_unread, execute = (
         unread.UnreadShapes._judge_entry, unread.UnreadShapes._replay_unread,
         unread.UnreadShapes._run_unread, core.Runtime._execute,
@@ -74,6 +75,12 @@ def _patch():
     core.Runtime._replay_unread = _replay
     core.Runtime._run_unread = _unread
     core.Runtime._execute = _execute
+    try:
+        yield
+    finally:
+        unread.UnreadShapes._judge_entry = judge
+        del core.Runtime._replay_unread, core.Runtime._run_unread  # (inherited from UnreadShapes)
+        core.Runtime._execute = execute
 
 
 @contextlib.contextmanager
@@ -111,12 +118,12 @@ def _caller(model, lengths: bool):
     return lambda b: model(input_ids=b.x, attention_mask=b.mask)
 
 
-def run_row(plain, dataset: str, batch: int, device) -> dict:
+def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: int = 64) -> dict:
     cfg = plain.config
     seed = sum(map(ord, dataset)) * 1000 + batch
     dtype = next(plain.parameters()).dtype
-    warm = make_batches("hf", dataset, batch, 24, seed, device, cfg.hidden_size, dtype, cfg.vocab_size)
-    timed = make_batches("hf", dataset, batch, 64, seed + 1, device, cfg.hidden_size, dtype, cfg.vocab_size)
+    warm = make_batches("hf", dataset, batch, n_warm, seed, device, cfg.hidden_size, dtype, cfg.vocab_size)
+    timed = make_batches("hf", dataset, batch, n_timed, seed + 1, device, cfg.hidden_size, dtype, cfg.vocab_size)
     row: dict = {"dataset": dataset, "batch": batch}
     for col, cost, lengths in (("auto", None, False), ("always_mask", float("inf"), False),
                                ("always_read", float("-inf"), False), ("auto_lengths", None, True)):  # fmt: skip
@@ -146,21 +153,31 @@ def run_row(plain, dataset: str, batch: int, device) -> dict:
     return row
 
 
+def _row(spec: str) -> tuple[str, int]:
+    from autoragged.workloads import CORA
+
+    dataset, _, b = spec.partition(":")
+    if dataset not in CORA or not b.isdigit() or int(b) < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: want DATASET:B, DATASET one of {', '.join(CORA)}, B >= 1")
+    return dataset, int(b)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", nargs="+", default=["CoLA:128", "MNLI:128"], help="DATASET:B")
+    p.add_argument("--rows", nargs="+", type=_row, default=[("CoLA", 128), ("MNLI", 128)], help="DATASET:B")
     p.add_argument("--models", default="bert-base")
+    p.add_argument("--warm", type=int, default=24, help="warm-up batches (default 24, as stream_table.py)")
+    p.add_argument("--batches", type=int, default=64, help="timed batches (default 64, as stream_table.py)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (2 layers, width 64): the CPU smoke run")
     p.add_argument("--out", help="JSON path (default benchmarks/results/verdict_trace.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    _patch()
     plain = build_hf(args.models, device, tiny=args.tiny)
     rows = []
-    for spec in args.rows:
-        dataset, b = spec.split(":")
-        row = run_row(plain, dataset, int(b), device)
+    for dataset, b in args.rows:
+        with _patched():
+            row = run_row(plain, dataset, b, device, args.warm, args.batches)
         rows.append(row)
         for col in ("auto", "always_mask", "always_read", "auto_lengths"):
             print(f"{dataset} B={b} {col}: {json.dumps(row[col])}")

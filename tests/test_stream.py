@@ -482,3 +482,22 @@ def test_stream_table_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
     assert cora["diag"]["auto_warmed"]["warmup"]["batches"] == 2
     assert stream_table._strip(["--fresh-process", "--quick", "--columns", "auto", "x", "--out", "p", "--warm", "0"],
                                ("--fresh-process", "--out", "--columns")) == ["--quick", "--warm", "0"]  # fmt: skip
+
+
+def test_verdict_trace_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
+    """benchmarks/verdict_trace.py logs every timed batch's path and the verdicts, and puts the runtime back."""
+    pytest.importorskip("transformers")
+    from autoragged.runtime import core, unread
+    from benchmarks import verdict_trace
+
+    before = (core.Runtime._execute, unread.UnreadShapes._judge_entry, core.Runtime._run_unread)
+    out = tmp_path / "trace.json"
+    argv = ["--device", "cpu", "--tiny", "--rows", "CoLA:3", "--warm", "2", "--batches", "3", "--out", str(out)]
+    assert verdict_trace.main(argv) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert [c["path"] for c in row["trace"]["calls"]] and len(row["trace"]["calls"]) == 3
+    assert all(c["path"] in ("R", "U") or c["path"].startswith("read:") for c in row["trace"]["calls"])
+    assert row["trace"]["verdicts"] and all(row[c]["ms"] > 0 for c in ("auto", "always_mask", "always_read"))
+    assert (core.Runtime._execute, unread.UnreadShapes._judge_entry, core.Runtime._run_unread) == before
+    with pytest.raises(SystemExit):
+        verdict_trace.main(["--rows", "CoLA"])  # DATASET:B
