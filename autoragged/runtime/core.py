@@ -282,8 +282,8 @@ class Runtime(UnreadShapes):
             start.record()
             host0 = time.perf_counter()
         policy_plan = plan if self.capture_policy else None
-        stand_in = None
-        if mask_only and free and arm.graph and arm.ragged and not arm.mask_only:
+        stand_in = None  # (not for an explored arm: its run is to time it)
+        if mask_only and free and arm == plan.arm and arm.graph and arm.ragged and not arm.mask_only:
             stand_in = self._stand_in(module, call, shape)
         if mask_only:
             t_exec = time.perf_counter()
