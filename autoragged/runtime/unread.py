@@ -51,7 +51,7 @@ _READ = object()  # `_run_unread`: this batch takes the read path after all
 # lengths counted on the device) instead of running eagerly or capturing, until the bucket's _STAND_IN_SIGHTS-th
 # sight. A trusted shape reads only when a close verdict flips, so its read path's buckets were rarely seen: on a
 # stream of new batches they came once or twice and each paid an eager run or a capture (bert-base, CoLA
-# B=128: 6-9 of 64 batches read, 2-3 captures of 20-35 ms; 1.3 ms a batch unread; H100, 2026-11-25).
+# B=128: 4-9 of 64 batches read, 2-3 captures of 20-35 ms; 1.3 ms a batch unread; H100, 2026-11-25).
 _STAND_IN_SIGHTS = 8
 STOOD_IN = "the read path's graph for this bucket is not captured yet: the shape's graph fed the mask ran"
 _WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
