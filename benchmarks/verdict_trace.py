@@ -187,8 +187,7 @@ def main(argv=None) -> int:
             f"  sequence (r replay fed the mask, u unread run, c/t/p read then cuBLAS/Triton graph or eager/padded,"
             f" * captured): {seq}"
         )
-        flips = [v for v in row["trace"]["verdicts"]]
-        for v in flips[:40]:
+        for v in row["trace"]["verdicts"][:40]:
             print(
                 f"  verdict at {v['call']}: mask {v['mask']} vs {v['best']} {v['best_ms']} + read {v['read_cost']}"
                 f" -> streak {v['streak']} {v['arm']} lost={v['lost']} pipelined={v['pipelined']}"
