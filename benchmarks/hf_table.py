@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encode", type=int, default=0, help="also time SentenceTransformer.encode of N sentences")
     p.add_argument("--encode-model", default="bert-base", choices=list(HF_SHAPES))
     p.add_argument("--encode-batch", type=int, default=64)
-    p.add_argument("--host-profile", action="store_true", help="profile the host path of one row instead")
+    p.add_argument("--host-profile", action="store_true", help="profile one row's host path instead (the first "
+                   "of --datasets and --batch-sizes)")  # fmt: skip
     p.add_argument("--out", help="JSON path (default benchmarks/results/hf_table.json)")
     args = p.parse_args(argv)
     unknown = set(args.columns) - set(COLUMNS)
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             "runner": ArmRunner(copy.deepcopy(plain)),
         }  # fmt: skip
         if args.host_profile:
-            host_profile(models, device)
+            host_profile(models, device, (args.datasets or ["CoLA"])[0], args.batch_sizes[0])
             continue
         rows = []
         for dataset in datasets:

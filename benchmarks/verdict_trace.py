@@ -43,15 +43,16 @@ def _patched():
         unread.UnreadShapes._run_unread, core.Runtime._execute,
     )  # fmt: skip
 
-    def _judge(self, entry, predicted, mask_arm, tokens):
+    def _judge(self, entry, predicted, mask_arm, tokens, explore=False):
         label = mask_arm.label if mask_arm is not None else None
         needs = {k: v for k, v in predicted.items() if k not in ("padded", "padded_graph", label)}
         best = min(needs, key=needs.get) if needs else None
-        out = judge(self, entry, predicted, mask_arm, tokens)
+        out = judge(self, entry, predicted, mask_arm, tokens, explore)
         TRACE["verdicts"].append({
             "call": len(TRACE["calls"]), "mask": predicted.get(label), "best": best,
             "best_ms": needs.get(best), "read_cost": round(self.read_cost_ms, 4), "streak": out[0],
-            "arm": out[1].label, "lost": out[5]["lost"], "pipelined": self.pipelined,
+            "arm": out[1].label, "lost": out[5]["lost"], "pipelined": self.pipelined, "explore": explore,
+            "confirmed": out[5]["confirmed"],
         })  # fmt: skip
         return out
 
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
         for v in row["trace"]["verdicts"][:40]:
             print(
                 f"  verdict at {v['call']}: mask {v['mask']} vs {v['best']} {v['best_ms']} + read {v['read_cost']}"
-                f" -> streak {v['streak']} {v['arm']} lost={v['lost']} pipelined={v['pipelined']}"
+                f" -> streak {v['streak']} {v['arm']} lost={v['lost']} confirmed={v['confirmed']}"
+                f" pipelined={v['pipelined']} explore={v['explore']}"
             )
     path = args.out or str(pathlib.Path(__file__).parent / "results" / "verdict_trace.json")
     write_json(path, {"env": environment(), "args": vars(args), "rows": rows})

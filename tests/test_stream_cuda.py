@@ -18,6 +18,7 @@ from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
 from autoragged.runtime import capture as _capture  # noqa: E402
 from autoragged.runtime import core as dispatch  # noqa: E402
 from autoragged.runtime import graphs as _graphs  # noqa: E402
+from autoragged.runtime import unread as _unread  # noqa: E402
 
 D, H = 256, 4
 
@@ -191,3 +192,39 @@ def test_warmup_on_the_gpu_leaves_the_model_right():
         y = enc(x, src_key_padding_mask=mask)
         want = enc._autoragged.body.base.forward(enc, x, None, mask, None)
     torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)
+
+
+class _ClosePrior:
+    """The analytic prior's name, predicting the mask graph (Triton linears) 20% behind the cuBLAS graph."""
+
+    name = "prior"
+
+    def predict_ms(self, sig, stats, arms):
+        return [1.0 if a.graph and a.ragged and not a.mask_only else 1.2 if a.mask_only else 100.0 for a in arms]
+
+
+def test_a_close_mask_verdict_from_the_prior_is_settled_by_timing_the_mask_graph(monkeypatch):
+    """Uncalibrated, a mask shape whose mask graph is predicted to lose by a little runs it (captured) until
+    the probes have timed it against the read path; then the timings decide the shape, whichever way."""
+    enc = autoragged.wrap(encoder(), db=False, sample_every=1, explore=False)
+    rt = enc._autoragged
+    rt.graph_min_seen = 1
+    monkeypatch.setattr(_unread, "_EXPLORE_AFTER_MS", 0.0)  # explore at first sight
+    head = D // H
+    planner = Planner(rt.sig, _ClosePrior(), lambda s: [Arm("ragged_graph", graph_config(head, s.max_len, b))
+                                                        for b in ("cublas", "triton")])  # fmt: skip
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    assert rt._explores(torch.device("cuda"))
+    lengths = [60, 17, 33, 1]
+    x, mask = batch(lengths)
+    with torch.inference_mode():
+        want = rt.body.base.forward(enc, x, None, mask, None)
+        for _ in range(12):
+            y = enc(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+        rt._harvest(wait=True)
+    probe = rt.mask_shapes[rt._shape_key(4, 60)][5]
+    assert len(probe["unread"]) >= 2 and probe["read"]  # both timed
+    assert probe["confirmed"] != probe["lost"]  # and the timings decided
+    ran = [d.reason for d in autoragged.recent_decisions(enc, 12)]
+    assert any("not read" in r for r in ran) and any("not read" not in r for r in ran)

@@ -434,6 +434,46 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     assert rt.mask_shapes[rt._shape_key(9, 40)][0] == 0
 
 
+def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
+    """Where the prior predicts (no calibration) and probes run, a mask graph predicted to lose by less than
+    _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS, until the shape's probes
+    timed it: then the timings decide, and a shape they found slower is not explored again. Further off, or
+    with a calibrated model, the prediction decides. An explored shape runs unread once its read path was
+    timed (the probes compare against it)."""
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+    from autoragged.runtime import unread
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_samples.append(0.1)
+    mask_arm = Arm("ragged_graph", graph_config(16, 40, "triton"))
+    cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
+    close = {"padded": 2.0, cublas.label: 0.4, mask_arm.label: 0.5 * unread._EXPLORE}  # read path: 0.4 + 0.1
+    far = {**close, mask_arm.label: 0.5 * unread._EXPLORE + 0.01}
+    reads = round(unread._EXPLORE_AFTER_MS / 0.1)
+    for _ in range(reads - 1):  # the reads have not cost enough yet
+        assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0
+    assert rt._judge_shape(8, 40, close, mask_arm)[0] == 0  # not exploring: the prediction decides
+    assert rt._judge_shape(8, 40, far, mask_arm, explore=True)[0] == 0
+    entry = rt._judge_shape(8, 40, close, mask_arm, explore=True)
+    assert entry[:2] == [1, mask_arm] and entry[5]["explored"]
+
+    class _CudaMask:
+        is_cuda = True
+
+    assert not rt._read_known(entry, _CudaMask())  # its read path is not timed yet
+    entry[5]["unread"].append(0.55)  # one timing is not a verdict yet
+    assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 2
+    entry[5]["unread"].append(0.6)
+    assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0  # timed: no more exploring
+    rt._probe_result(entry[5], 8, 40, "read", 0.4)  # 0.55 > 0.4 + 0.1: lost
+    assert entry[5]["lost"] and rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0
+    cpu = torch.device("cpu")
+    rt._plan(cpu, autoragged.tuning_db.BatchStats.from_lengths((40, 20)), None)
+    assert rt.planners[cpu].model.name == "prior" and not rt._explores(cpu)  # no probes on a CPU
+
+
 def test_the_mask_graph_stays_one_arm_for_a_shape_whose_batches_straddle_an_attention_tile():
     """The mask graph's attention tiles follow the batch's max_len (32 x 32 up to 32 tokens), and a mask
     shape's batches have different ones: a verdict for the mask graph with the other tiles is a verdict

@@ -260,9 +260,12 @@ class Runtime(UnreadShapes):
         probe = None
         cuda = call.device.type == "cuda"
         if mask_only and free:
-            shape = self._judge_shape(B, L, plan.predicted_ms, self._mask_graph_arm(call.device, plan), stats.total)
-            if shape[0] > 0 and not shape[5]["lost"] and len(shape[5]["read"]) < _PROBES:
-                probe = (shape[5], B, L, "read")  # a verdict for the unread arm: time the read path too
+            mask_arm = self._mask_graph_arm(call.device, plan)
+            shape = self._judge_shape(B, L, plan.predicted_ms, mask_arm, stats.total, self._explores(call.device))
+            timings = shape[5]
+            if (shape[0] > 0 or timings["unread"]) and not timings["lost"] and len(timings["read"]) < _PROBES:
+                # a verdict for the unread arm, or its timings waiting for the read path's: time the read path
+                probe = (timings, B, L, "read")
         self.count += 1
         sampled = self.sample_every > 0 and self.count % self.sample_every == 0
         if sampled and self.explore and free:

@@ -45,6 +45,20 @@ _RECHECK = 16
 _REJUDGE = 8
 _MAX_SHAPES = 4096
 _PROBES = 3
+# Where this device has no calibration, a verdict weighs predictions of the analytic prior (its Triton linears
+# run at a fixed 0.7x of cuBLAS) and, in a stream, the drained GPU's idle time that `read_cost_ms` estimates:
+# two rough numbers. A mask shape whose mask graph is predicted within _EXPLORE of its read path plus the read
+# is then trusted for the probes to settle (`_judge_entry`): once its read path is timed, they time the mask
+# graph against it, and a shape whose mask graph measured slower reads from then on. Without it such a shape
+# never ran its mask graph, so it was never timed: bert-base, MNLI B=128, predicted 4.3-4.9 ms against 3.3-3.9
+# + a read of 0.2-0.5, read 17 of 64 batches (5.80 ms a batch) where the mask graph took 3.07 (H200,
+# 2026-11-25, `verdict_trace_mnli_h200.json`). Exploring costs a capture (10-66 ms there) and a few batches on the
+# slower arm if it is: a shape explores once its reads have cost _EXPLORE_AFTER_MS (what reading costs its
+# batches is what not reading could save), not on first sight. At first sight, in a latency table (HF bert-base,
+# 10 calls a batch), the mask graph ran most calls of 16 of 24 rows, up to 1.52x the best forced arm's time
+# (MNLI B=64/128; `hf_table_explore_first_sight_h200.json`, same day and card).
+_EXPLORE = 1.35
+_EXPLORE_AFTER_MS = 30.0
 _READ = object()  # `_run_unread`: this batch takes the read path after all
 # A mask-only batch that read its lengths, of a shape whose mask graph is kept (and not measured slower), whose
 # planned ragged graph is not captured for its bucket: it replays the shape's mask graph (the same work, the
@@ -59,7 +73,15 @@ _WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for
 
 def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
     """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
-    probe = {"read": [], "unread": [], "left": _PROBES, "lost": False, "confirmed": False}
+    probe = {
+        "read": [],
+        "unread": [],
+        "left": _PROBES,
+        "lost": False,
+        "confirmed": False,
+        "paid": 0.0,
+        "explored": False,
+    }
     return [streak, arm, 0, predicted or {}, tokens, probe, None, None]
 
 
@@ -112,7 +134,10 @@ class UnreadShapes:
         2.1; H100, 2026-11-24). The ragged graph fed the mask does the read path's work without the read, so
         its verdict does not wait: waiting cost the benchmark of record's short rows 5-10% (a latency table
         times calls 4-13 of a batch; old and new code alternated in one lease, `cora_ab_*.json`)."""
-        return shape[1].ragged or bool(shape[5]["read"]) or not (kpm.is_cuda and self.sample_every > 0)
+        explored = shape[5]["explored"] and not shape[5]["confirmed"]  # (an explored arm waits for the timing too)
+        return (
+            (shape[1].ragged and not explored) or bool(shape[5]["read"]) or not (kpm.is_cuda and self.sample_every > 0)
+        )
 
     def _one_behind(self, device: torch.device, shape: list) -> None:
         """Judge a trusted shape again, without a sync, from the stats of its first unread batch since the last
@@ -130,7 +155,8 @@ class UnreadShapes:
 
             self.pipelined = event_pending(ring.events[ring.i])
         plan = self._plan(device, stats, None)
-        self._judge_entry(shape, plan.predicted_ms, self._mask_graph_arm(device, plan), stats.total)
+        mask_arm = self._mask_graph_arm(device, plan)
+        self._judge_entry(shape, plan.predicted_ms, mask_arm, stats.total, self._explores(device))
 
     def _mask_graph_arm(self, device: torch.device, plan: Plan) -> Arm | None:
         """The ragged graph arm that can run a mask without its lengths (Triton linears: they stop at the
@@ -141,17 +167,32 @@ class UnreadShapes:
             return None
         return plan.mask_arm
 
-    def _judge_shape(self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0):
+    def _explores(self, device: torch.device) -> bool:
+        """Whether close mask verdicts on `device` may be left to the probes (see _EXPLORE): probes run there
+        (CUDA, sampling on) and its planner predicts from the analytic prior."""
+        if not (device.type == "cuda" and self.sample_every > 0):
+            return False
+        planner = self.planners.get(device)
+        return planner is not None and planner.model.name == "prior"
+
+    def _judge_shape(
+        self, B: int, L: int, predicted: dict[str, float], mask_arm: Arm | None = None, tokens=0, explore=False
+    ):  # fmt: skip
         """Would an arm that needs no lengths (the padded arms, or `mask_arm` fed the mask) have won this
         mask-only batch of `tokens` real tokens, counting the read's cost against the arms that need them?
-        Returns the shape's entry, updated."""
+        Returns the shape's entry, updated. explore: see `_judge_entry`."""
         key = self._shape_key(B, L)
         if len(self.mask_shapes) >= _MAX_SHAPES and key not in self.mask_shapes:
             self.mask_shapes.clear()
         entry = self.mask_shapes.get(key) or self.mask_shapes.setdefault(key, _shape_entry())
-        return self._judge_entry(entry, predicted, mask_arm, tokens)
+        return self._judge_entry(entry, predicted, mask_arm, tokens, explore)
 
-    def _judge_entry(self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int) -> list:
+    def _judge_entry(
+        self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int, explore: bool = False
+    ) -> list:
+        """The verdict of `_judge_shape` on `entry`. explore (`_explores`): a mask graph predicted to lose by
+        less than _EXPLORE, of a shape whose reads cost _EXPLORE_AFTER_MS, wins while the shape's probes have
+        not timed it, so that they do."""
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
         mask_label = mask_arm.label if mask_arm is not None else None
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
@@ -159,11 +200,20 @@ class UnreadShapes:
         if mask_label in predicted:
             unread[mask_label] = predicted[mask_label]
         best = min(unread, key=unread.get) if unread else None
-        wins = best is not None and (not needs_lengths or unread[best] <= min(needs_lengths) + self.read_cost_ms)
+        read_ms = min(needs_lengths) + self.read_cost_ms if needs_lengths else None
+        wins = best is not None and (read_ms is None or unread[best] <= read_ms)
         entry[2], entry[7] = 0, None  # a verdict: the unread batches since, and the one to judge from, start anew
         probe = entry[5]
         if probe["confirmed"] and not probe["lost"]:
             wins, best = True, None  # timed runs found the kept arm faster: predictions do not overrule them
+        elif not wins and read_ms is not None:
+            probe["paid"] += self.read_cost_ms  # this batch reads
+            if (
+                explore and mask_label in predicted and len(probe["unread"]) < 2
+                and predicted[mask_label] <= read_ms * _EXPLORE and probe["paid"] >= _EXPLORE_AFTER_MS
+            ):  # fmt: skip
+                wins, best = True, mask_label  # close, from the prior: the probes time it and settle the shape
+                probe["explored"] = True
         if wins and not probe["lost"]:
             entry[0] += 1
             arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm) if best else entry[1]
@@ -172,7 +222,9 @@ class UnreadShapes:
                 # shape's batches do not share): the same arm for the shape, its graph and timings kept
                 arm = entry[1]
             if arm != entry[1]:  # another arm: its timings start afresh, and its graph is not the one kept
-                probe.update(read=[], unread=[], left=_PROBES, confirmed=False)
+                probe.update(
+                    read=[], unread=[], left=_PROBES, confirmed=False, explored=best == mask_label and probe["explored"]
+                )
                 entry[6] = None
             entry[1] = arm
             entry[3], entry[4] = predicted, tokens
