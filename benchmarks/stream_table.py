@@ -267,6 +267,21 @@ def _what_ran(model, n: int) -> dict:
     return {"arms": arms, "mask_reads": reads}
 
 
+def _why_ran(model, n: int) -> dict[str, int]:
+    """Over the last n decisions: "arm[:backend] | the reason's first 70 characters", counted (what a cold stream
+    paid for: explorations, eager runs of buckets not captured, reads)."""
+    ran: dict[str, int] = {}
+    for d in autoragged.recent_decisions(model, n):
+        key = f"{d.arm}{'' if d.config is None else ':' + d.config.get('backend', '')} | {d.reason[:70]}"
+        ran[key] = ran.get(key, 0) + 1
+    return ran
+
+
+def _graph_delta(model, before: dict) -> dict:
+    after = _graph_totals(model)
+    return {k: round(after[k] - before[k], 3) for k in ("captures", "capture_ms", "evictions", "declined")}
+
+
 class CompileLog:
     """Triton compiles as they happen (kernel name, seconds, on the calling thread or not), through triton.knobs'
     JIT hooks: which ones a timed stream pays (a cache hit on disk is logged too, with its load time). Compiles
@@ -440,13 +455,19 @@ def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
         setup = time.perf_counter() - t0
         with torch.inference_mode(), ctx():
             n = len(COMPILES.events)
+            before = _graph_totals(model)
             cold = run_stream(fn, first, device)
             compiled, n = COMPILES.since(n), len(COMPILES.events)
+            ran = {"cold": _why_ran(model, len(first)), "cold_graphs": _graph_delta(model, before)}
+            before = _graph_totals(model)
             warm = run_stream(fn, second, device)
+            ran.update(warm=_why_ran(model, len(second)), warm_graphs=_graph_delta(model, before))
         row[f"{col}_cold_ms"], row[f"{col}_warm_ms"] = 1e3 * cold, 1e3 * warm
         row[f"{col}_cold_over_warm"] = cold / warm
         warm_compiles = {f"warm_{k}": v for k, v in COMPILES.since(n).items() if k != "compiled"}
         row["diag"][col] = {"setup_s": round(setup, 3), **info, **_graph_totals(model), **compiled, **warm_compiles}
+        if model is not None:
+            row["diag"][col]["ran"] = ran
         del fn, model
         gc.collect()
     return row
