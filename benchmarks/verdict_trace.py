@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged.runtime import core, unread  # noqa: E402
+from autoragged.workloads import HF_SHAPES  # noqa: E402
 from benchmarks._common import environment, write_json  # noqa: E402
 from benchmarks.stream_table import _graph_totals, _what_ran, build_hf, make_batches, run_stream  # noqa: E402
 
@@ -166,7 +167,7 @@ def _row(spec: str) -> tuple[str, int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", type=_row, default=[("CoLA", 128), ("MNLI", 128)], help="DATASET:B")
-    p.add_argument("--models", default="bert-base")
+    p.add_argument("--models", default="bert-base", choices=list(HF_SHAPES), help="an HF shape (the stream's model)")
     p.add_argument("--warm", type=int, default=24, help="warm-up batches (default 24, as stream_table.py)")
     p.add_argument("--batches", type=int, default=64, help="timed batches (default 64, as stream_table.py)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
