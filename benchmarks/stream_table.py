@@ -329,8 +329,8 @@ COMPILES = CompileLog()
 
 
 def diagnose(model, before: dict, n: int, col: str) -> dict:
+    out = _graph_delta(model, before)
     after = _graph_totals(model)
-    out = {k: round(after[k] - before[k], 3) for k in ("captures", "capture_ms", "evictions", "declined")}
     out.update(graphs=after["graphs"], graph_mb=round(after["graph_mb"], 1))
     if col in WRAPPED and col != "ragged":
         ran = _what_ran(model, n)
