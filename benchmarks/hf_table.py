@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -47,7 +49,7 @@ from autoragged._costmodel import Arm  # noqa: E402
 from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, HF_SHAPES, hf_config, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, what_ran, write_json  # noqa: E402
+from benchmarks._common import RESULTS, environment, header, require_cuda, table, what_ran, write_json  # noqa: E402
 
 COLUMNS = ["hf_sdpa", "hf_sorted", "varlen", "ragged", "graph_cublas", "graph_triton", "auto", "auto_lengths"]
 FORCED = ("ragged", "graph_cublas", "graph_triton")
@@ -275,26 +277,39 @@ def host_profile(models, device, dataset: str = "CoLA", batch: int = 128, calls:
         "auto mask": lambda: auto(input_ids=ids, attention_mask=mask),
     }
     with torch.inference_mode():
-        for name, fn in calls_of.items():
-            for _ in range(20):
+        for (name, fn), synced in itertools.product(calls_of.items(), (False, True)):
+            # unsynced: back to back, as a stream runs (the host runs ahead: waits show as Event.synchronize);
+            # synced: each call then a synchronisation, as the latency table times them (host time = latency)
+            def call(fn=fn, synced=synced):
                 fn()
+                if synced:
+                    torch.cuda.synchronize()
+
+            for _ in range(20):
+                call()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(calls):
-                fn()
+                call()
             host = (time.perf_counter() - t0) / calls * 1e3
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / calls * 1e3
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
-                fn()
+                call()
             prof.disable()
             torch.cuda.synchronize()
-            print(f"\n### {name}: {host:.3f} ms host per call, {wall:.3f} ms with the GPU ({dataset} B={batch})")
+            mode = "synced" if synced else "unsynced"
+            print(f"\n### {name}, {mode}: {host:.3f} ms host per call, {wall:.3f} ms with the GPU "
+                  f"({dataset} B={batch})")  # fmt: skip
             if name.startswith("auto"):
                 print(what_ran(auto, 2 * calls + 20))
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            slug = {"forced cublas graph": "forced", "auto lengths=": "lengths", "auto mask": "mask"}[name]
+            dump = pathlib.Path(os.environ.get("OUT") or RESULTS, f"host_profile_{dataset}_{batch}_{slug}_{mode}.prof")
+            prof.dump_stats(dump)  # for pstats here: what one path calls that the other does not
+            print(f"wrote {dump}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -242,6 +242,60 @@ def run_stream(fn, batches, device) -> float:
     return time.perf_counter() - t0
 
 
+def traced_stream(fn, batches, device, model, top: int = 6) -> tuple[float, dict]:
+    """`run_stream` with a trace: the host time of each call (perf_counter around it; with nothing synchronised
+    a call waits only where it reads lengths or captures), the GPU time between consecutive batches' events
+    (kernels, and idle while the host was behind) and the garbage collector's pauses. Returns (seconds,
+    {totals, the `top` slowest batches each way with what ran}). The events cost a few microseconds a batch."""
+    _sync(device)
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(batches) + 1)] if cuda else []
+    host, pauses, current, started = [], [], [0], [0.0]
+
+    def on_gc(phase, info):  # the collector's pauses, by batch: a full collection can stall the host for ms
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((current[0], info["generation"], (time.perf_counter() - started[0]) * 1e3))
+
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        if cuda:
+            events[0].record()
+        for i, b in enumerate(batches):
+            current[0] = i
+            h0 = time.perf_counter()
+            fn(b)
+            if cuda:
+                events[i + 1].record()
+            host.append((time.perf_counter() - h0) * 1e3)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
+    gc_ms = [0.0] * len(batches)
+    for i, _, ms in pauses:
+        gc_ms[i] += ms
+    gpu = [events[i].elapsed_time(events[i + 1]) for i in range(len(batches))] if cuda else [0.0] * len(batches)
+    ran = [] if model is None else autoragged.recent_decisions(model, len(batches))
+    what = [f"{d.arm}{'' if d.config is None else ':' + d.config.get('backend', '')} | {d.reason[:90]}" for d in ran]
+    what = [""] * (len(batches) - len(what)) + what
+
+    def slowest(xs):
+        order = sorted(range(len(xs)), key=xs.__getitem__, reverse=True)[:top]
+        return [{"batch": i, "host_ms": round(host[i], 3), "gpu_ms": round(gpu[i], 3), "gc_ms": round(gc_ms[i], 3),
+                 "ran": what[i]} for i in order]  # fmt: skip
+
+    def median(xs):
+        return round(sorted(xs)[len(xs) // 2], 3) if xs else 0.0
+
+    totals = {"host_ms": round(sum(host), 2), "gpu_ms": round(sum(gpu), 2), "host_median_ms": median(host),
+              "gpu_median_ms": median(gpu), "gc_ms": round(sum(gc_ms), 2),
+              "gc_by_generation": {g: sum(1 for p in pauses if p[1] == g) for g in (0, 1, 2)}}  # fmt: skip
+    return seconds, {**totals, "slowest_host": slowest(host), "slowest_gpu": slowest(gpu)}
+
+
 def _graph_totals(model) -> dict:
     totals = {"captures": 0, "capture_ms": 0.0, "evictions": 0, "declined": 0, "graphs": 0, "graph_mb": 0.0}
     if model is None:
@@ -439,6 +493,18 @@ def print_table(family: str, rows: list[dict], columns: list[str]) -> None:
 
 
 # -- the fresh-process mode -----------------------------------------------------------------------------------
+def _profiler(args):
+    """--profile-cold: a running cProfile for the cold stream (its host time, call by call), else None."""
+    if not args.profile_cold:
+        return None
+    import cProfile
+
+    pathlib.Path(args.profile_cold).mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
 def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
     """In this process: a fresh wrapped model runs `args.batches` new batches cold, then as many more (its warm
     time); with auto_warmed, warmup() first."""
@@ -456,12 +522,18 @@ def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
         with torch.inference_mode(), ctx():
             n = len(COMPILES.events)
             before = _graph_totals(model)
-            cold = run_stream(fn, first, device)
+            prof = _profiler(args)
+            cold, cold_trace = traced_stream(fn, first, device, model)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(pathlib.Path(args.profile_cold, f"cold_{col}_{dataset}_{batch}_pid{os.getpid()}.prof"))
             compiled, n = COMPILES.since(n), len(COMPILES.events)
-            ran = {"cold": _why_ran(model, len(first)), "cold_graphs": _graph_delta(model, before)}
+            ran = {"cold": _why_ran(model, len(first)), "cold_graphs": _graph_delta(model, before),
+                   "cold_trace": cold_trace}  # fmt: skip
             before = _graph_totals(model)
-            warm = run_stream(fn, second, device)
-            ran.update(warm=_why_ran(model, len(second)), warm_graphs=_graph_delta(model, before))
+            warm, warm_trace = traced_stream(fn, second, device, model)
+            ran.update(warm=_why_ran(model, len(second)), warm_graphs=_graph_delta(model, before),
+                       warm_trace=warm_trace)  # fmt: skip
         row[f"{col}_cold_ms"], row[f"{col}_warm_ms"] = 1e3 * cold, 1e3 * warm
         row[f"{col}_cold_over_warm"] = cold / warm
         warm_compiles = {f"warm_{k}": v for k, v in COMPILES.since(n).items() if k != "compiled"}
@@ -507,11 +579,28 @@ def fresh_processes(args, argv: list[str]) -> int:
     print("\n## cold start: a 100-batch stream on a fresh model, then 100 more (fresh process, new Triton cache)\n")
     print(table(results, cols))
     for r in results:
-        print(f"  {r['dataset']} B={r['batch']} process {r['process']}: {json.dumps(r['diag'])}")
+        print(f"  {r['dataset']} B={r['batch']} process {r['process']}: {json.dumps(_untraced(r['diag']))}")
+        for col, d in r["diag"].items():
+            trace = d.get("ran", {}).get("cold_trace")
+            if trace:
+                slow = trace["slowest_host"][:3]
+                top = "; ".join(f"#{s['batch']} {s['host_ms']:.1f} ms host ({s['gc_ms']:.1f} gc), "
+                                f"{s['gpu_ms']:.1f} gpu: {s['ran'][:50]}" for s in slow)  # fmt: skip
+                print(f"    {col} cold: host {trace['host_ms']:.1f} ms (gc {trace['gc_ms']:.1f}), "
+                      f"gpu {trace['gpu_ms']:.1f} ms; slowest: {top}")  # fmt: skip
     path = write_json("stream_table_fresh.json", {"env": environment(), "args": vars(args), "rows": results},
                       args.out)  # fmt: skip
     print(f"wrote {path}")
     return 0
+
+
+def _untraced(diag: dict) -> dict:
+    """`diag` without the per-batch traces (printed apart)."""
+    out = {}
+    for col, d in diag.items():
+        ran = {k: v for k, v in d.get("ran", {}).items() if not k.endswith("_trace")}
+        out[col] = {**d, "ran": ran} if "ran" in d else d
+    return out
 
 
 def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -543,6 +632,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ablate", action="store_true", help="also auto_recheck and auto_pays (one rule each)")
     p.add_argument("--warmup-batches", type=int, default=24, help="warmup()'s batches per size (default 24)")
     p.add_argument("--fresh-process", action="store_true", help="cold start in fresh processes (see above)")
+    p.add_argument("--profile-cold", metavar="DIR", help="--fresh-process: cProfile each cold stream into DIR")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--db", help="tuning database for the auto columns (default $AUTORAGGED_DB or ~/.cache)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
