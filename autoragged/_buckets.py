@@ -12,7 +12,7 @@ import math
 
 from .kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
 
-__all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "LADDER_VERSION"]
+__all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_rows", "LADDER_VERSION"]
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
 # other work, and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
@@ -53,3 +53,23 @@ def mask_width(seq_len: int) -> int:
     (MNLI B=32, after 24 warm-up batches) still met two new buckets: 53 ms of captures in 112 ms (H200,
     2026-11-25, `benchmarks/stream_table.py --quick --models bert-base`)."""
     return ladder(seq_len, floor=16, multiple=16, steps=2)
+
+
+_CUBLAS_LADDER_ROWS = 8192  # cublas_rows: the ladder up to here, whole blocks of _CUBLAS_BLOCK rows beyond
+_CUBLAS_BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def cublas_rows(rows: int) -> int:
+    """The rows the eager ragged arm gives its cuBLAS linears for a batch of `rows` packed rows; the spare rows
+    belong to no sequence and nothing reads them. cuBLAS pays a first call per problem shape (its heuristic
+    query): on the H200 host (CUDA 13.0, 2026-11-26) an fp16 `F.linear` on a row count never seen before took
+    0.14-0.30 ms of host time (median over 40 new counts per weight shape, 3-5 ms at worst) against 19-33 us
+    on one seen before (`benchmarks/cublas_rows.py`). A stream of new batches brings a new token count every
+    batch, so every eager run paid it per weight shape. Up to 8,192 rows: the ragged graph's rung (8 per
+    octave, at most ~9% spare; the graph captures of a rung pay its first calls too). Beyond, where the
+    linears' time grows with the rows and the graph's rung cost the latency table's eager rows 7-9% (RACE and
+    Wiki512 B=64/128, bert-base), whole blocks of 1,024 rows: at most 12.5% spare at 8K rows, 2.5% at 40K."""
+    if rows <= _CUBLAS_LADDER_ROWS:
+        return ladder(rows, floor=256, multiple=128, steps=8)
+    return -(-rows // _CUBLAS_BLOCK) * _CUBLAS_BLOCK

@@ -319,7 +319,11 @@ def _batch_major(x: torch.Tensor, seq_axis: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _from_padded(x: torch.Tensor, lengths: Sequence[int], align: int, seq_axis: int) -> RaggedTensor:
+def _from_padded(
+    x: torch.Tensor, lengths: Sequence[int], align: int, seq_axis: int, rows: int | None = None
+) -> RaggedTensor:
+    """Pack x by `lengths`. rows: values rows to allocate where more than the layout needs (packed layouts,
+    align 1): the spare rows follow the last component, zeros, in no component (`cublas_rows`)."""
     _check_padded(x, seq_axis)
     align = check_align(align)
     lengths = as_lengths(lengths)
@@ -330,11 +334,16 @@ def _from_padded(x: torch.Tensor, lengths: Sequence[int], align: int, seq_axis: 
     if layout.max_len > L:
         i = lengths.index(layout.max_len)
         raise ValueError(f"lengths[{i}] = {layout.max_len} exceeds the padded length {L} of x {tuple(x.shape)}")
+    used = layout.rows
+    if rows is not None and rows > used and align == 1:
+        layout = Layout(lengths, 1, layout.offsets, rows, canonical=False)
     features = x.shape[2:]
     src = _batch_major(x, seq_axis)
     if use_triton(x) and not (x.requires_grad and torch.is_grad_enabled()):
         offsets, dev_lengths = layout.device_meta(x.device)
         flat = ragged_pack.pack(src, offsets, dev_lengths, layout.rows, layout.max_extent)
+        if layout.rows > used:
+            flat[used:].zero_()
     else:  # reference path; also the differentiable one
         flat = ragged_pack.pack_ref(src, layout.offsets, lengths, layout.rows)
     return RaggedTensor(flat.view(layout.rows, *features), layout)

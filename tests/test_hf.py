@@ -137,6 +137,44 @@ def test_the_triton_kernels_in_the_interpreter(family):
     check_close(family, out, model, kwargs, keep)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypatch):
+    """On the GPU the eager arm with cuBLAS linears runs a rung of rows (`autoragged._buckets.cublas_rows`),
+    the rows past the tokens in no sequence; forced here on the CPU. Outputs, hidden states and the pooler
+    are the original's, and one sequence's tokens still leave the others' outputs bit-identical."""
+    from autoragged._buckets import cublas_rows
+    from autoragged.runtime import core
+
+    if kernels == "reference":
+        use_reference(monkeypatch)
+    seen = []
+    from_padded = core._from_padded
+
+    def spy(x, lens, align, seq_axis, rows=None):
+        rt = from_padded(x, lens, align, seq_axis, rows)
+        seen.append((rt.layout.rows, sum(lens)))
+        return rt
+
+    monkeypatch.setattr(core, "_eager_rows", lambda config, x, causal, total: cublas_rows(total))
+    monkeypatch.setattr(core, "_from_padded", spy)
+    model = autoragged.wrap(model_of("bert"), db=False, policy="ragged")
+    kwargs, keep = batch(lengths=(9, 3, 5), token_types=True)
+    with torch.no_grad():
+        out = model(**kwargs, output_hidden_states=True)
+    assert last(model).arm == "ragged" and seen == [(256, 17)]
+    check_close("bert", out, model, kwargs, keep)
+    check_close("bert", out, model, kwargs, keep, "pooler_output")
+    for i in range(len(out.hidden_states)):
+        a, b = out.hidden_states[i][keep], _unwrapped(model)(**kwargs, output_hidden_states=True).hidden_states[i]
+        torch.testing.assert_close(a, b[keep], atol=1e-4, rtol=1e-4)
+    other = {k: v.clone() for k, v in kwargs.items()}
+    other["input_ids"][1, :3] = torch.randint(4, 100, (3,))
+    with torch.no_grad():
+        changed = model(**other).last_hidden_state
+    for i in (0, 2):
+        assert torch.equal(changed[i], out.last_hidden_state[i])
+
+
 @pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
 def test_every_policy_gives_the_original(policy, monkeypatch):
     use_reference(monkeypatch)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._buckets import LADDER_VERSION
+from .._buckets import LADDER_VERSION, cublas_rows
 from .._costmodel import PADDED, PADDED_GRAPH, AnalyticPrior, Arm
 from .._device import device_key
 from .._epoch import param_epoch
@@ -519,7 +519,7 @@ class Runtime(UnreadShapes):
         if not_prefix is not None:  # any padding pattern: packed and unpacked by the mask
             rt = _pack_by_mask(x, call.kpm, lens, seq_axis)
         else:
-            rt = _from_padded(x, lens, config.align, seq_axis)
+            rt = _from_padded(x, lens, config.align, seq_axis, _eager_rows(config, x, call.causal, stats.total))
         values = body.values(rt.values, rt.layout, config, call.causal, hidden)
         unpack = (
             (lambda v: _unpack_by_mask(v, rt, call.kpm, seq_axis))
@@ -613,6 +613,14 @@ class Runtime(UnreadShapes):
                 extra={"ladder": LADDER_VERSION} if record.arm.graph else {},
             )  # fmt: skip
             self._record(record, measurement)
+
+
+def _eager_rows(config: KernelConfig, x: torch.Tensor, causal: bool, total: int) -> int | None:
+    """The values rows of an eager ragged run of `total` tokens: with cuBLAS linears on the GPU, a rung of
+    rows (`cublas_rows`: cuBLAS's first call on a row count costs milliseconds of host time, and a stream
+    brings a new count every batch); else None, the packed rows. Causal (decoder) runs keep their packed rows:
+    their eager arm maps each packed row to a position and a cache slot, not tried with spare rows."""
+    return cublas_rows(total) if config.backend == "cublas" and x.is_cuda and not causal else None
 
 
 def _mask_rows(kpm: torch.Tensor, layout: Layout) -> torch.Tensor:
