@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._buckets import cublas_rows
+from ._layout import Layout
+from ._planner import default_ragged_config
 from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
 
 __all__ = ["warmup", "WarmupSummary"]
@@ -37,7 +40,8 @@ class WarmupSummary:
     compile hooks); capture_s: host time of the CUDA-graph captures; captured: the graph buckets captured,
     as "module: bucket" labels; graphs, graph_bytes: graphs kept now and their bytes (all modules);
     evictions: graphs evicted meanwhile; declined: batches run eagerly because a capture would not pay;
-    bound_reached: the memory bound stopped captures."""
+    bound_reached: the memory bound stopped captures; cublas_rows: row counts (rungs) the eager arm's cuBLAS
+    linears were run on, all modules (`_warm_cublas_rows`)."""
 
     modules: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
@@ -51,6 +55,7 @@ class WarmupSummary:
     evictions: int = 0
     declined: int = 0
     bound_reached: bool = False
+    cublas_rows: int = 0
 
 
 def warmup(
@@ -135,6 +140,9 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
                 summary.batches += 1
                 bar.update(1)
         runtime = module._autoragged  # (a structure change re-binds the module)
+        _warm_arms(module, runtime, groups, device)
+        runtime = module._autoragged
+        summary.cublas_rows += _warm_cublas_rows(runtime, groups, device)
         runtime._harvest(wait=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -152,6 +160,53 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     summary.graphs += len(after["keys"])
     summary.graph_bytes += after["bytes"]
     return None
+
+
+def _warm_arms(module, runtime, groups, device) -> None:
+    """One batch of each batch size through each eager arm, forced: the padded forward and the eager ragged arm.
+    The planner explores them in traffic, and the first run of an arm in a process pays for its kernels'
+    first use: after `warmup()`, an explored padded batch of the CoRa encoder (PyTorch's fast path) took 190 ms
+    of a cold 100-batch RACE B=128 stream (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process`).
+    Only where the planner chooses (policy "auto") on a GPU."""
+    if device.type != "cuda" or runtime.policy != "auto" or runtime.static_reason:
+        return
+    synthetic, first = runtime.body.synthetic, {}
+    for lengths in groups:
+        first.setdefault(len(lengths), lengths)
+    limit = getattr(runtime.body, "max_tokens", None)
+    try:
+        for policy in ("padded", "ragged"):
+            runtime.policy = policy
+            for lengths in first.values():
+                lengths = [min(n, limit) for n in lengths] if limit is not None else lengths
+                args, kwargs = synthetic(lengths, max(max(lengths), 1), device, mask=True)
+                module(*args, **kwargs)
+    finally:
+        module._autoragged.policy = "auto"
+
+
+def _warm_cublas_rows(runtime, groups, device) -> int:
+    """Run the module's layers eagerly with cuBLAS linears on zeros, once on every row rung (`cublas_rows`) up
+    to the most tokens a batch of `groups`' sizes and lengths can hold (or 1.5x the most a batch brought,
+    if less); returns how many rungs. cuBLAS's first
+    call on a row count costs 0.14-5 ms of host time per weight shape, and the eager arm runs on rungs: a
+    stream's eager runs (a graph bucket's first sight, a batch longer than any before) then find them paid.
+    After `warmup()` on MNLI B=32 one such run still cost 16-23 ms of a cold 100-batch stream's 42-50 ms, on
+    a rung no warm-up batch had reached (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process
+    --warmup-call`). Nothing here on a CPU, for causal (decoder) modules, nor where the ragged arm never runs."""
+    body = runtime.body
+    if device.type != "cuda" or body.causal or runtime.static_reason or runtime.policy == "padded":
+        return 0
+    # up to what a batch of the sizes and lengths can hold, at most half again the most tokens a batch brought
+    top = cublas_rows(max(min(len(g) * max(g, default=0), sum(g) * 3 // 2) for g in groups))
+    piece = max(1, min(64, getattr(body, "max_tokens", None) or 64))  # components short enough for cheap attention
+    config = default_ragged_config(body.head_dim, piece)  # cuBLAS linears
+    dtype, rows, n = runtime._param().dtype, cublas_rows(1), 0
+    while rows <= top:
+        lengths = (piece,) * (rows // piece) + ((rows % piece,) if rows % piece else ())
+        body.values(torch.zeros(rows, body.d_model, dtype=dtype, device=device), Layout.make(lengths), config, False)
+        rows, n = cublas_rows(rows + 1), n + 1
+    return n
 
 
 def _cache_state(cache) -> dict:

@@ -390,6 +390,7 @@ def test_warmup_runs_a_workload_through_every_wrapped_module_on_cpu(tmp_path, re
     model = autoragged.wrap(Two(), db=tmp_path / "t.sqlite")
     s = autoragged.warmup(model, "CoLA", batch_sizes=[4, 8], batches=3, progress=False)
     assert s.modules == 2 and s.batches == 2 * 2 * 3 and not s.skipped and s.graphs == 0 and s.seconds > 0
+    assert s.cublas_rows == 0  # (cuBLAS's first calls are a GPU's cost)
     rt = model.a._autoragged
     assert len(rt.ring) == 6 and rt.mask_shapes  # the shapes are judged (and trusted) ahead of traffic
     assert rt.recording  # on again after the warm-up

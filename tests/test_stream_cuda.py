@@ -186,12 +186,26 @@ def test_warmup_on_the_gpu_leaves_the_model_right():
     s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)
     assert s.modules == 1 and s.batches == 12 and s.seconds > 0
     assert s.graph_bytes == enc._autoragged.graphs.kept_bytes and len(s.captured) <= s.graphs + s.evictions
+    # each eager arm ran once, forced, and the planner chooses again
+    reasons = [d.reason for d in autoragged.recent_decisions(enc, 100)]
+    assert "policy=padded" in reasons and "policy=ragged" in reasons and enc._autoragged.policy == "auto"
     lengths = [60, 21, 9, 33, 47, 58, 12, 30]
     x, mask = batch(lengths)
     with torch.inference_mode():
         y = enc(x, src_key_padding_mask=mask)
         want = enc._autoragged.body.base.forward(enc, x, None, mask, None)
     torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)
+    # the eager arm's cuBLAS rungs, every one up to 1.5x the batch's tokens (less than 3 x 300 here)
+    from autoragged._buckets import cublas_rows
+
+    s = autoragged.warmup(enc, [[300, 200, 7]], progress=False)
+    rungs, r = [], cublas_rows(1)
+    while r <= cublas_rows(507 * 3 // 2):
+        rungs, r = rungs + [r], cublas_rows(r + 1)
+    assert s.cublas_rows == len(rungs) > 1 and rungs[0] == 256 and rungs[-1] >= 760
+    with torch.inference_mode():
+        torch.testing.assert_close(real(enc(x, src_key_padding_mask=mask), lengths), real(want, lengths),
+                                   rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
 class _ClosePrior:

@@ -32,6 +32,8 @@ class Body:
                     replay
     padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
     memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
+    causal:         its batches are causal (a decoder): the eager arm keeps its packed rows, and `warmup` warms
+                    no cuBLAS rungs for it (runtime/core.py `_eager_rows`)
     """
 
     sig = None
@@ -47,6 +49,7 @@ class Body:
     embeds_token_types = False  # (with embeds_in_graph) the embedding step takes token type ids
     padded_forward = None
     memo: tuple = ()
+    causal = False
 
     def __init__(self, module: torch.nn.Module):
         watched = [m for m in module.modules() if m is not module]

@@ -156,6 +156,7 @@ def _repad(t: torch.Tensor, flat: torch.Tensor, B: int, L: int) -> torch.Tensor:
 class HFDecoderBody(_hf.HFBody):
     fused = False
     mask_graph = False  # causal batches read their lengths
+    causal = True
 
     def __init__(self, module: PreTrainedModel):
         family = FAMILIES[module.config.model_type]
