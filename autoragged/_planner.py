@@ -177,6 +177,16 @@ class Planner:
         how = "the prior's" if prior is not None else "none"
         return predicted, f"; the model's prediction for {labels} was not finite ({how} used)"
 
+    def unproven(self, stats: BatchStats, arm: Arm) -> bool:
+        """True where the plan for this bucket chose `arm` on a prediction scaled by other arms' timings: some
+        arm of the bucket is timed, `arm` has fewer than `min_samples` timings. The runtime then times its
+        batches until it has them, instead of every `sample_every`-th: a prior that leaves out most host time
+        made the eager ragged arm look fastest once the graph and padded arms were timed, and it ran 85 of 420
+        back-to-back calls at 6-8 ms against the graph's 1.5 (bert-base, MNLI B=64, `lengths=`, H200,
+        2026-11-26, `benchmarks/hf_table.py --host-profile`)."""
+        measured = self._measured.get(bucket_key(stats))
+        return bool(measured) and len(measured.get(arm.label, ())) < self.min_samples
+
     def explore(self, stats: BatchStats, chosen: Arm) -> Arm | None:
         """An arm the planner may choose in this bucket with fewer than `min_samples` measurements (other
         than `chosen`, which is measured anyway when its batch is sampled), or None."""

@@ -435,6 +435,34 @@ def test_arms_not_measured_yet_keep_their_rank_at_the_measured_level():
     assert plan.arm == PADDED_GRAPH and plan.reason == "measured on this device"
 
 
+def test_an_arm_chosen_on_scaled_predictions_is_unproven_until_timed():
+    """`Planner.unproven`: the runtime times every batch of a chosen arm that other arms' timings, not its own,
+    put first, until it has min_samples; a bucket nothing has been timed in keeps the sampling rate."""
+    from autoragged._costmodel import PADDED_GRAPH
+    from autoragged._planner import Planner, graph_config
+
+    sig = signature_of(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True), 1))
+    graph = Arm("ragged_graph", graph_config(32, 30, "cublas"))
+
+    class Model:
+        name = "fake"
+
+        def predict_ms(self, sig, stats, arms):
+            return np.array([{graph: 0.15, PADDED_GRAPH: 0.30}.get(a, 3.0) for a in arms])
+
+    planner = Planner(sig, Model(), lambda s: [graph, PADDED_GRAPH])
+    stats, other = BatchStats.from_lengths((30, 4)), BatchStats.from_lengths((900, 4))
+    assert not planner.unproven(stats, graph)  # the prior alone: the sampling rate
+    for _ in range(3):
+        planner.observe(stats, PADDED_GRAPH, 0.35)
+    assert planner.plan(stats).arm == graph and planner.unproven(stats, graph)
+    assert not planner.unproven(stats, PADDED_GRAPH) and not planner.unproven(other, graph)
+    for _ in range(planner.min_samples):
+        assert planner.unproven(stats, graph)
+        planner.observe(stats, graph, 0.40)
+    assert not planner.unproven(stats, graph)
+
+
 def test_choices_against_every_arm_count_the_arms_not_chosen_from():
     """Regret against the best of every measured arm, the choice made among the choosable ones only."""
     rows = _model._rows(

@@ -339,6 +339,36 @@ def _with_model(enc, model):
     rt.planners[torch.device("cpu")] = Planner(rt.sig, model)
 
 
+def test_an_arm_chosen_on_other_arms_timings_is_timed_until_it_has_its_own():
+    """Every 32nd batch is timed, except that an arm the planner chose for a bucket where other arms are timed
+    and it is not (its prediction scaled by theirs) is timed on each of its batches until it has min_samples
+    timings (`Planner.unproven`); then the rate is back to every 32nd."""
+    from autoragged.tuning_db import BatchStats
+
+    from autoragged._costmodel import PADDED
+    from autoragged._planner import bucket_key
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto", sample_every=32, explore=False)
+    _with_model(enc, Prefers(padded=False))
+    rt, cpu = enc._autoragged, torch.device("cpu")
+    x, _ = batch(LENGTHS, 64, "cpu")
+    stats = BatchStats.from_lengths(tuple(LENGTHS), padded_len=x.shape[1])
+    planner = rt.planners[cpu]
+    for _ in range(3):
+        planner.observe(stats, PADDED, 2.0)
+    chosen = planner.plan(stats).arm
+    assert chosen.kind == "ragged" and planner.unproven(stats, chosen)
+    with torch.no_grad():
+        for _ in range(planner.min_samples):
+            enc(x, lengths=LENGTHS)
+    assert len(planner._measured[bucket_key(stats)][chosen.label]) == planner.min_samples
+    assert not planner.unproven(stats, chosen)
+    with torch.no_grad():
+        for _ in range(5):  # (calls 4-8: none is a 32nd)
+            enc(x, lengths=LENGTHS)
+    assert len(planner._measured[bucket_key(stats)][chosen.label]) == planner.min_samples
+
+
 @pytest.mark.parametrize("mask_reads", ["one_behind", "recheck"])
 @pytest.mark.parametrize("padded_wins", [True, False])
 def test_mask_only_batches_of_a_padded_shape_skip_reading_lengths(monkeypatch, padded_wins, mask_reads):

@@ -276,6 +276,9 @@ class Runtime(UnreadShapes):
         # a probe times the read path as the shape runs it: the planner's arm, not an explored one
         probe = probe if probe is not None and cuda and self.sample_every > 0 and arm == plan.arm else None
         sampled = sampled or probe is not None
+        if not sampled and free and self.sample_every > 0 and arm == plan.arm:
+            # an arm chosen on a prediction the bucket's other timings scaled: timed until it has its own
+            sampled = self.planners[call.device].unproven(stats, arm)
         if ragged_in is not None and arm.ragged and arm.config.align != ragged_in.align:
             # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
             # is captured for that alignment
