@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._buckets import cublas_rows
+from ._buckets import cublas_rows, mask_width
 from ._layout import Layout
 from ._planner import default_ragged_config
 from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
@@ -77,7 +77,9 @@ def warmup(
         calibration of this device measured (for each module's signature, else any).
     batch_sizes: the batch sizes traffic brings (default 32, 64, 128); not used with explicit batches.
     batches: synthetic batches per workload and batch size (the policy captures a bucket once its recurrence
-        promises the capture back, so a bucket must come round a few times).
+        promises the capture back, so a bucket must come round a few times). On a GPU, a CoRa workload or a
+        length sample also gets a few batches for each length bucket above the drawn ones, up to its longest
+        sequence (`_tail`).
     inputs: "mask" (the key padding / attention mask, as PyTorch and HF code call a model), "lengths"
         (`lengths=` host ints) or "both": what traffic will pass.
     max_memory: bytes the captures may add (or a fraction of the device's free memory); None: only the
@@ -97,6 +99,9 @@ def warmup(
         raise ValueError(f"batch_sizes must be ints >= 1, got {batch_sizes!r}")
     rng = np.random.default_rng(seed)
     plan = [(name, m, _batches(m._autoragged, lengths_or_workload, sizes, batches, rng)) for name, m in modules]
+    longest = _longest(lengths_or_workload)
+    if longest is not None:  # the length buckets the draws missed, up to the workload's longest sequence
+        plan = [(name, m, groups + _tail(groups, longest, m._autoragged)) for name, m, groups in plan]
     modes = (True, False) if inputs == "both" else (inputs == "mask",)
     total = sum(len(groups) for _, _, groups in plan) * len(modes)
     summary = WarmupSummary()
@@ -255,6 +260,44 @@ def _batches(runtime, workload, sizes, n: int, rng) -> list[list[int]]:
     if len(batches) != len(workload) or any(not b or min(b) < 0 for b in batches):
         raise ValueError("a list of batches must hold non-empty lists of lengths >= 0")
     return batches
+
+
+def _longest(workload) -> int | None:
+    """The longest sequence a workload brings: a CoRa dataset's maximum, a length sample's; None for explicit
+    batches and the calibration's shapes (run as given)."""
+    names = [workload] if isinstance(workload, str) else workload
+    if all(isinstance(w, str) for w in names):
+        found = [CORA[w].max for w in names if w in CORA]
+        return max(found) if found and len(found) == len(names) else None
+    if all(isinstance(w, (int, np.integer)) for w in workload):
+        return int(max(workload))
+    return None
+
+
+# Each tail bucket is run this many times: a mask shape is trusted after 2 reads and its graph captured at the
+# next sight (runtime/unread.py `_TRUST`), the read path's graph bucket at its 2nd-3rd (graphs.py `min_seen`)
+_TAIL_SIGHTS = 3
+
+
+def _tail(groups: list[list[int]], longest: int, runtime) -> list[list[int]]:
+    """Batches for the length buckets of the mask graph (`mask_width`, 2 per octave) above the longest drawn
+    batch of each batch size, up to `longest`: the drawn batch with the longest sequence, its longest one
+    stretched to the bucket's width (at most `longest`), `_TAIL_SIGHTS` times each. Only where graphs run (a
+    GPU): a stream after `warmup()` on CoLA B=128 met its 48-column bucket (sequences of 33-37 tokens; 24 draws
+    had reached 32) at batches 20, 29 and 32, ran two eager reads and a capture there, and took 1.4-1.6x its
+    warm time (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process --warmup-call`)."""
+    if not runtime.graphs_enabled or runtime._param().device.type != "cuda":
+        return []
+    out = []
+    for b in sorted({len(g) for g in groups}):
+        base = max((g for g in groups if len(g) == b), key=max)
+        width = mask_width(max(base))
+        while width < mask_width(longest):
+            width = mask_width(width + 1)
+            batch = sorted(base)
+            batch[-1] = min(width, longest)
+            out += [batch] * _TAIL_SIGHTS
+    return out
 
 
 def _calibrated(runtime) -> list[list[int]]:

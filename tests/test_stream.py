@@ -405,6 +405,29 @@ def test_warmup_runs_a_workload_through_every_wrapped_module_on_cpu(tmp_path, re
     assert s.batches == 2 and s.modules == 1
 
 
+def test_warmup_adds_the_length_buckets_the_draws_missed_on_a_gpu():
+    """`_tail`: for each batch size, the drawn batch with the longest sequence stretched to each mask-graph
+    length bucket above it, up to the workload's longest sequence, 3 times each; nothing without graphs."""
+    from types import SimpleNamespace
+
+    from autoragged import _warmup
+    from autoragged._buckets import mask_width
+
+    assert _warmup._longest("CoLA") == 37 and _warmup._longest(["CoLA", "MNLI"]) == 128
+    assert _warmup._longest([3, 9, 30]) == 30
+    assert _warmup._longest([[5, 1]]) is None and _warmup._longest("calibration") is None
+    gpu = SimpleNamespace(graphs_enabled=True, _param=lambda: SimpleNamespace(device=torch.device("cuda")))
+    groups = [[5, 9], [7, 20], [3, 3, 3]]
+    assert (mask_width(20), mask_width(3), mask_width(37)) == (32, 16, 48)
+    tail = _warmup._tail(groups, 37, gpu)
+    assert tail == [[7, 37]] * 3 + [[3, 3, 32]] * 3 + [[3, 3, 37]] * 3
+    assert _warmup._tail(groups, 20, gpu) == [[3, 3, 20]] * 3  # the size-2 draws reached 20's bucket
+    cpu = SimpleNamespace(graphs_enabled=True, _param=lambda: SimpleNamespace(device=torch.device("cpu")))
+    assert _warmup._tail(groups, 37, cpu) == []
+    off = SimpleNamespace(graphs_enabled=False, _param=gpu._param)
+    assert _warmup._tail(groups, 37, off) == []
+
+
 def test_warmup_errors_say_what_to_do():
     enc = make_encoder()
     with pytest.raises(ValueError, match="no wrapped module in TransformerEncoder: call autoragged.wrap"):

@@ -184,7 +184,7 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
 def test_warmup_on_the_gpu_leaves_the_model_right():
     enc = autoragged.wrap(encoder(), db=False)
     s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)
-    assert s.modules == 1 and s.batches == 12 and s.seconds > 0
+    assert s.modules == 1 and s.batches >= 12 and (s.batches - 12) % 3 == 0 and s.seconds > 0  # (+ the tail's)
     assert s.graph_bytes == enc._autoragged.graphs.kept_bytes and len(s.captured) <= s.graphs + s.evictions
     # each eager arm ran once, forced, and the planner chooses again
     reasons = [d.reason for d in autoragged.recent_decisions(enc, 100)]
