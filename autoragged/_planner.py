@@ -28,6 +28,12 @@ from .tuning_db.records import BatchStats, ModuleSignature
 
 __all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BACKENDS", "bucket_key"]
 
+# The planner explores (runs on a sampled batch, to time it) only arms predicted within this factor of its
+# choice: a stream of new batches pays each explored arm's first run on a new shape, and the padded forward of
+# HF bert-base took 70-83 ms there (cuBLAS's first calls on its row count, among others) where the arm chosen
+# ran in 1-4 (CoLA B=32, MNLI B=128 after `warmup()`, H200, 2026-11-26, `benchmarks/stream_table.py
+# --fresh-process --models bert-base`); warm, HF's padded forward takes 6-11x the graph arm's time on those rows.
+_EXPLORE_WITHIN = 2.0
 _CACHE_SIZE = 4096
 # A bucket's measured latency of an arm is the median of its last _WINDOW samples, once it has min_samples:
 # a sampled call can be far off its arm's latency. On the H100 host (benchmarks/sampling.py, 2026-11-23)
@@ -189,12 +195,16 @@ class Planner:
 
     def explore(self, stats: BatchStats, chosen: Arm) -> Arm | None:
         """An arm the planner may choose in this bucket with fewer than `min_samples` measurements (other
-        than `chosen`, which is measured anyway when its batch is sampled), or None."""
+        than `chosen`, which is measured anyway when its batch is sampled) and predicted within _EXPLORE_WITHIN
+        of `chosen`, or None."""
         key = bucket_key(stats)
         measured = self._measured.get(key, {})
+        predicted = self.plan(stats).predicted_ms  # (cached: the plan `chosen` came from, or one the timings redid)
+        bound = predicted.get(chosen.label, math.inf) * _EXPLORE_WITHIN
         for arm in self._arms.get(key, ()):
             if arm != chosen and not arm.mask_only and len(measured.get(arm.label, ())) < self.min_samples:
-                return arm
+                if predicted.get(arm.label, 0.0) <= bound:
+                    return arm
         return None
 
     def observe(self, stats: BatchStats, arm: Arm, ms: float) -> None:

@@ -276,8 +276,10 @@ class Runtime(UnreadShapes):
         # a probe times the read path as the shape runs it: the planner's arm, not an explored one
         probe = probe if probe is not None and cuda and self.sample_every > 0 and arm == plan.arm else None
         sampled = sampled or probe is not None
-        if not sampled and free and self.sample_every > 0 and arm == plan.arm:
-            # an arm chosen on a prediction the bucket's other timings scaled: timed until it has its own
+        if not sampled and free and self.sample_every > 0 and arm == plan.arm and not arm.graph:
+            # an eager arm chosen on a prediction the bucket's other timings scaled: timed until it has its own
+            # (not a graph arm: timing a short replay costs it a share of its time, and the prior's error is
+            # the eager arms' host time)
             sampled = self.planners[call.device].unproven(stats, arm)
         if ragged_in is not None and arm.ragged and arm.config.align != ragged_in.align:
             # a RaggedTensor runs on its own layout (FFD bins are often align 16): no repack, and its graph
