@@ -192,10 +192,10 @@ def _warm_arms(module, runtime, groups, device) -> None:
 
 def _warm_cublas_rows(runtime, groups, device) -> int:
     """Run the module's layers eagerly with cuBLAS linears on zeros, once on every row rung (`cublas_rows`) up
-    to the most tokens a batch of `groups`' sizes and lengths can hold (or 1.5x the most a batch brought,
-    if less); returns how many rungs. cuBLAS's first
-    call on a row count costs 0.14-5 ms of host time per weight shape, and the eager arm runs on rungs: a
-    stream's eager runs (a graph bucket's first sight, a batch longer than any before) then find them paid.
+    to the most tokens a batch of `groups`' sizes and lengths can hold (or 1.5x the most a batch brought, if
+    less); returns how many rungs. cuBLAS's first call on a row count costs 0.14-5 ms of host time per weight
+    shape, and the eager arm runs on rungs: a stream's eager runs (a graph bucket's first sight, a batch longer
+    than any before) then find them paid.
     After `warmup()` on MNLI B=32 one such run still cost 16-23 ms of a cold 100-batch stream's 42-50 ms, on
     a rung no warm-up batch had reached (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process
     --warmup-call`). Nothing here on a CPU, for causal (decoder) modules, nor where the ragged arm never runs."""
