@@ -403,10 +403,9 @@ def test_one_slow_sample_does_not_overturn_a_measured_choice():
     assert planner.plan(stats).arm == PADDED_GRAPH
 
 
-def test_arms_not_measured_yet_keep_their_rank_at_the_measured_level():
-    """A model that is right about the arms' order but off by a factor (the analytic prior leaves out most
-    host time) must not make the arm it has not measured look faster than the one it has: predictions of
-    unmeasured arms scale by the measured arms' median measured / predicted ratio."""
+def _graph_planner():
+    """(a Planner over [cuBLAS ragged graph, padded graph] whose model predicts 0.15 and 0.30 ms, 3.0 for the
+    rest, the graph arm)."""
     from autoragged._costmodel import PADDED_GRAPH
     from autoragged._planner import Planner, graph_config
 
@@ -419,7 +418,16 @@ def test_arms_not_measured_yet_keep_their_rank_at_the_measured_level():
         def predict_ms(self, sig, stats, arms):
             return np.array([{graph: 0.15, PADDED_GRAPH: 0.30}.get(a, 3.0) for a in arms])
 
-    planner = Planner(sig, Model(), lambda s: [graph, PADDED_GRAPH])
+    return Planner(sig, Model(), lambda s: [graph, PADDED_GRAPH]), graph
+
+
+def test_arms_not_measured_yet_keep_their_rank_at_the_measured_level():
+    """A model that is right about the arms' order but off by a factor (the analytic prior leaves out most
+    host time) must not make the arm it has not measured look faster than the one it has: predictions of
+    unmeasured arms scale by the measured arms' median measured / predicted ratio."""
+    from autoragged._costmodel import PADDED_GRAPH
+
+    planner, graph = _graph_planner()
     stats = BatchStats.from_lengths((30, 4))
     for _ in range(3):
         planner.observe(stats, graph, 0.40)  # 2.67x the prediction
@@ -439,18 +447,8 @@ def test_an_arm_chosen_on_scaled_predictions_is_unproven_until_timed():
     """`Planner.unproven`: the runtime times every batch of a chosen arm that other arms' timings, not its own,
     put first, until it has min_samples; a bucket nothing has been timed in keeps the sampling rate."""
     from autoragged._costmodel import PADDED_GRAPH
-    from autoragged._planner import Planner, graph_config
 
-    sig = signature_of(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 2, 64, batch_first=True), 1))
-    graph = Arm("ragged_graph", graph_config(32, 30, "cublas"))
-
-    class Model:
-        name = "fake"
-
-        def predict_ms(self, sig, stats, arms):
-            return np.array([{graph: 0.15, PADDED_GRAPH: 0.30}.get(a, 3.0) for a in arms])
-
-    planner = Planner(sig, Model(), lambda s: [graph, PADDED_GRAPH])
+    planner, graph = _graph_planner()
     stats, other = BatchStats.from_lengths((30, 4)), BatchStats.from_lengths((900, 4))
     assert not planner.unproven(stats, graph)  # the prior alone: the sampling rate
     for _ in range(3):
