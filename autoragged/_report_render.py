@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .tuning_db import KEEP_ENV_VAR
 
 if TYPE_CHECKING:
-    from .report import DeviceSummary, ModuleSummary, Summary, TimeSaved
+    from ._report_results import DeviceSummary, ModuleSummary, Summary, TimeSaved
 
 __all__ = ["render_text", "render_html"]
 
