@@ -137,6 +137,9 @@ def test_the_triton_kernels_in_the_interpreter(family):
     check_close(family, out, model, kwargs, keep)
 
 
+# the spare rows hold whatever attention left there (it writes the sequences' rows only, as in a graph's spare
+# rows), and the interpreter's numpy warns when a layer norm of such a row overflows: nothing reads them
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypatch):
     """On the GPU the eager arm with cuBLAS linears runs a rung of rows (`autoragged._buckets.cublas_rows`),
