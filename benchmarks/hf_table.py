@@ -260,7 +260,10 @@ def encode_bench(args, device) -> dict:
 
 def host_profile(models, device, dataset: str = "CoLA", batch: int = 128, calls: int = 200) -> None:
     """cProfile of `calls` calls of the forced cuBLAS graph (ArmRunner) and of auto with lengths= and with the
-    mask, on one batch: where the host time between them goes (printed)."""
+    mask, on one batch, each back to back (unsynced, as a stream) and synchronised after every call (as the
+    latency table): where the host time between them goes. Prints the top functions and what auto ran, and
+    writes each profile as host_profile_<dataset>_<B>_<path>_<mode>.prof (pstats) into $OUT, else
+    benchmarks/results/."""
     import cProfile
     import pstats
 

@@ -40,7 +40,10 @@ a deploy), run twice (the second process finds the first one's Triton cache, as 
 a fresh wrapped model runs 100 new batches cold (no warm-up), then 100 more (its warm time); with
 --warmup-call, another process pair runs warmup() first, then the same streams. The goal: cold at most 2x
 warm, or 1.2x after warmup(); the first row of a process is the deploy's cold start, later rows reuse the
-kernels it compiled. Prints tables and writes benchmarks/results/stream_table.json (--out).
+kernels it compiled. Each stream is traced per batch (host time of the call, GPU time between consecutive
+batches' events, garbage-collector pauses, what ran): the JSON keeps the totals and the slowest batches, and
+the output prints the three slowest of each cold stream. --profile-cold DIR also writes a cProfile of each cold
+stream there. Prints tables and writes benchmarks/results/stream_table.json (--out).
 """
 
 from __future__ import annotations
