@@ -68,8 +68,8 @@ def cublas_rows(rows: int) -> int:
     on one seen before (`benchmarks/cublas_rows.py`). A stream of new batches brings a new token count every
     batch, so every eager run paid it per weight shape. Up to 8,192 rows: the ragged graph's rung (8 per
     octave, at most ~9% spare; the graph captures of a rung pay its first calls too). Beyond, where the
-    linears' time grows with the rows and the graph's rung cost the latency table's eager rows 7-9% (RACE and
-    Wiki512 B=64/128, bert-base), whole blocks of 1,024 rows: at most 12.5% spare at 8K rows, 2.5% at 40K."""
+    linears' time grows with the rows and the graph's rung cost the latency table's eager rows 7-9% (bert-base,
+    RACE B=64/128 and Wiki512 B=64), whole blocks of 1,024 rows: at most 12.5% spare at 8K rows, 2.5% at 40K."""
     if rows <= _CUBLAS_LADDER_ROWS:
         return ladder(rows, floor=256, multiple=128, steps=8)
     return -(-rows // _CUBLAS_BLOCK) * _CUBLAS_BLOCK
