@@ -23,6 +23,7 @@ from torch import nn
 from ._buckets import cublas_rows, mask_width
 from ._layout import Layout
 from ._planner import default_ragged_config
+from .kernels._ahead import drain as drain_ahead
 from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
 
 __all__ = ["warmup", "WarmupSummary"]
@@ -41,7 +42,8 @@ class WarmupSummary:
     as "module: bucket" labels; graphs, graph_bytes: graphs kept now and their bytes (all modules);
     evictions: graphs evicted meanwhile; declined: batches run eagerly because a capture would not pay;
     bound_reached: the memory bound stopped captures; cublas_rows: row counts (rungs) the eager arm's cuBLAS
-    linears were run on, all modules (`_warm_cublas_rows`)."""
+    linears were run on, all modules (`_warm_cublas_rows`); ahead_s: the wait, at the end, for the kernel
+    variants compiling in the background (`kernels/_ahead.py`) to be done."""
 
     modules: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
@@ -56,6 +58,7 @@ class WarmupSummary:
     declined: int = 0
     bound_reached: bool = False
     cublas_rows: int = 0
+    ahead_s: float = 0.0
 
 
 def warmup(
@@ -78,13 +81,14 @@ def warmup(
     batch_sizes: the batch sizes traffic brings (default 32, 64, 128); not used with explicit batches.
     batches: synthetic batches per workload and batch size (the policy captures a bucket once its recurrence
         promises the capture back, so a bucket must come round a few times). On a GPU, a CoRa workload or a
-        length sample also gets a few batches for each length bucket above the drawn ones, up to its longest
-        sequence (`_tail`).
+        length sample also gets a few batches for each length bucket the draws missed, from one below the
+        narrowest drawn up to its longest sequence (`_tail`).
     inputs: "mask" (the key padding / attention mask, as PyTorch and HF code call a model), "lengths"
         (`lengths=` host ints) or "both": what traffic will pass.
     max_memory: bytes the captures may add (or a fraction of the device's free memory); None: only the
         graph cache's own budget (`wrap(graph_cap=)`).
     progress: a tqdm progress bar. seed: for the batches drawn.
+    It returns once the kernel variants handed to the background compiler meanwhile are compiled too.
     Returns a `WarmupSummary`. Works anywhere: on a CPU there are no graphs to capture.
     """
     if inputs not in INPUTS:
@@ -113,6 +117,12 @@ def warmup(
             if why is not None:
                 summary.skipped[label] = why
                 bar.update(len(groups) * len(modes))
+        # The variants the warm batches handed to the background compiler (the other tiles of each kernel they
+        # launched) must be ready too: a first process's queue was still compiling when its traffic came, and
+        # a capture in the stream compiled a layout variant itself (0.3 s; CoRa CoLA B=128, H200, 2026-11-26)
+        t_ahead = time.perf_counter()
+        drain_ahead()
+        summary.ahead_s = time.perf_counter() - t_ahead
     summary.compile_s = compile_s[0]
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -280,23 +290,40 @@ _TAIL_SIGHTS = 3
 
 
 def _tail(groups: list[list[int]], longest: int, runtime) -> list[list[int]]:
-    """Batches for the length buckets of the mask graph (`mask_width`, 2 per octave) above the longest drawn
-    batch of each batch size, up to `longest`: the drawn batch with the longest sequence, its longest one
-    stretched to the bucket's width (at most `longest`), `_TAIL_SIGHTS` times each. Only where graphs run (a
-    GPU): a stream after `warmup()` on CoLA B=128 met its 48-column bucket (sequences of 33-37 tokens; 24 draws
-    had reached 32) at batches 20, 29 and 32, ran two eager reads and a capture there, and took 1.4-1.6x its
-    warm time (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process --warmup-call`)."""
+    """Batches for the length buckets of the mask graph (`mask_width`, 2 per octave) that no drawn batch of a
+    batch size reached, from one bucket below the narrowest drawn to the one of `longest`: each a drawn batch
+    (the one with the longest sequence under the bucket's width, else the shortest) with its lengths cut to
+    the width and its longest one set to it (at most `longest`), `_TAIL_SIGHTS` times each. Only where graphs
+    run (a GPU). A stream after `warmup()` on CoLA B=128 met its 48-column bucket (sequences of 33-37 tokens;
+    24 draws had reached 32) at batches 20, 29 and 32, ran two eager reads and a capture there, and took
+    1.4-1.6x its warm time; with the buckets above the draws warmed, HF bert-base on the same stream still
+    captured one at batch 29 (34-39 ms, 1.23-1.32x; H200, 2026-11-26, `benchmarks/stream_table.py
+    --fresh-process --warmup-call`): a gap, or a batch of shorter sequences than any drawn."""
     if not runtime.graphs_enabled or runtime._param().device.type != "cuda":
         return []
     out = []
+    top = mask_width(longest)
     for b in sorted({len(g) for g in groups}):
-        base = max((g for g in groups if len(g) == b), key=max)
-        width = mask_width(max(base))
-        while width < mask_width(longest):
-            width = mask_width(width + 1)
-            batch = sorted(base)
-            batch[-1] = min(width, longest)
+        drawn = [g for g in groups if len(g) == b]
+        widths = {mask_width(max(g)) for g in drawn}
+        rungs = _rungs(top)
+        below = [w for w in rungs if w < min(widths)]
+        wanted = below[-1:] + [w for w in rungs if w > min(widths) and w not in widths]
+        for w in wanted:
+            under = [g for g in drawn if max(g) <= w]
+            base = max(under, key=max) if under else min(drawn, key=max)
+            batch = sorted(min(n, w) for n in base)
+            batch[-1] = min(w, longest)
             out += [batch] * _TAIL_SIGHTS
+    return out
+
+
+def _rungs(top: int) -> list[int]:
+    """The mask widths up to `top`, ascending."""
+    out, w = [], mask_width(1)
+    while w <= top:
+        out.append(w)
+        w = mask_width(w + 1)
     return out
 
 

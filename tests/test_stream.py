@@ -406,8 +406,9 @@ def test_warmup_runs_a_workload_through_every_wrapped_module_on_cpu(tmp_path, re
 
 
 def test_warmup_adds_the_length_buckets_the_draws_missed_on_a_gpu():
-    """`_tail`: for each batch size, the drawn batch with the longest sequence stretched to each mask-graph
-    length bucket above it, up to the workload's longest sequence, 3 times each; nothing without graphs."""
+    """`_tail`: for each batch size, a drawn batch cut and stretched to each mask-graph length bucket the draws
+    missed, from one below the narrowest drawn up to the workload's longest sequence, 3 times each; nothing
+    without graphs."""
     from types import SimpleNamespace
 
     from autoragged import _warmup
@@ -422,6 +423,13 @@ def test_warmup_adds_the_length_buckets_the_draws_missed_on_a_gpu():
     tail = _warmup._tail(groups, 37, gpu)
     assert tail == [[7, 37]] * 3 + [[3, 3, 32]] * 3 + [[3, 3, 37]] * 3
     assert _warmup._tail(groups, 20, gpu) == [[3, 3, 20]] * 3  # the size-2 draws reached 20's bucket
+    # the gaps between drawn buckets (32 from the batch under it, 64 and 96 from the longest drawn)
+    assert _warmup._tail([[5, 40], [2, 3]], 100, gpu) == (
+        [[2, 32]] * 3 + [[5, 64]] * 3 + [[5, 96]] * 3 + [[5, 100]] * 3
+    )
+    assert [mask_width(n) for n in (3, 40, 100)] == [16, 48, 128]
+    # one bucket below the narrowest drawn: the shortest drawn batch cut to it
+    assert _warmup._tail([[30, 40], [35, 44]], 44, gpu) == [[30, 32]] * 3
     cpu = SimpleNamespace(graphs_enabled=True, _param=lambda: SimpleNamespace(device=torch.device("cpu")))
     assert _warmup._tail(groups, 37, cpu) == []
     off = SimpleNamespace(graphs_enabled=False, _param=gpu._param)
