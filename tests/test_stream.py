@@ -96,6 +96,22 @@ def test_a_bucket_is_captured_once_its_recurrence_repays_the_capture(fake_device
     assert isinstance(graph, _Fake) and note is None and graph.key == "forced"
 
 
+def test_a_capture_with_a_stand_in_pays_out_of_what_it_saves_over_the_stand_in(fake_device):
+    """With a third cost (the ms of a kept graph that runs the batch otherwise), the saving is over it, not over
+    the eager arm: a graph 0.01 ms faster than its stand-in is declined at its second sight (256 replays promised
+    x 0.01 ms < a 4 ms capture, the prior's 4x the eager arm's 1 ms), where against the eager arm (0.5 ms saved) it
+    is captured; a stand-in slower than the eager arm makes the capture pay sooner, never later."""
+    cache = _graphs.GraphCache()
+    notes = [cache._get("b", _make(fake_device), "cuda", "single", (1.0, 0.5, 0.51))[1] for _ in range(3)]
+    assert notes == [_graphs.FIRST_SIGHT, _graphs.NOT_WORTH, _graphs.NOT_WORTH] and cache.declined == 2
+    eager = _graphs.GraphCache()
+    notes = [eager._get("b", _make(fake_device), "cuda", "single", (1.0, 0.5))[1] for _ in range(2)]
+    assert notes == [_graphs.FIRST_SIGHT, _graphs.CAPTURE_NEXT]
+    notes = [cache._get("c", _make(fake_device), "cuda", "single", (1.0, 0.5, 1.5))[1] for _ in range(2)]
+    assert notes == [_graphs.FIRST_SIGHT, _graphs.CAPTURE_NEXT]
+    assert cache.deferred[4] == 1.0  # the capture's cost sample is taken against the eager arm's ms
+
+
 def test_a_trusted_shapes_mask_graph_is_captured_at_its_first_sight(fake_device, monkeypatch):
     """A shape trusted to run the ragged graph fed the mask (judged twice, runtime/unread.py) has recurred
     already: its graph is captured at the key's first lookup, where an untrusted lookup waits for a second."""

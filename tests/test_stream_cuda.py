@@ -147,11 +147,13 @@ class _Backends:
         return [1.0 if a.graph and a.ragged and not a.mask_only else 50.0 if a.mask_only else 100.0 for a in arms]
 
 
-def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_bucket_recurs():
+@pytest.mark.parametrize("stand_in_ms", [None, 1.005])
+def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_bucket_recurs(stand_in_ms):
     """A mask shape whose mask graph is kept, whose batch read its lengths (its verdict flipped) and planned a
     cuBLAS graph not captured for its bucket: the kept mask graph runs it (the same function, no eager run, no
     capture) until the bucket's _STAND_IN_SIGHTS-th sight, which captures the cuBLAS graph; the records say
-    which graph ran."""
+    which graph ran. Where the shape's verdict predicted the mask graph within 0.005 ms of the cuBLAS graph,
+    the capture would not repay itself out of that saving: the mask graph goes on standing in."""
     enc = autoragged.wrap(encoder(), db=False, sample_every=0)
     rt = enc._autoragged
     head = D // H
@@ -168,6 +170,8 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
         assert entry[6] is not None and "not read" in autoragged.recent_decisions(enc, 1)[0].reason
         want = rt.body.base.forward(enc, x, None, mask, None)
         entry[0] = 0  # the verdict flipped: the next batches read their lengths
+        if stand_in_ms is not None:
+            entry[3] = {mask_arm.label: stand_in_ms}  # as the shape's last verdict predicted it
         n = dispatch._STAND_IN_SIGHTS
         for _ in range(n + 1):
             y = enc(x, src_key_padding_mask=mask)
@@ -175,6 +179,10 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
             assert entry[0] == 0  # (50 ms against 1 + the read: every one of them reads)
     decisions = autoragged.recent_decisions(enc, n + 1)
     stood_in = [dispatch.STOOD_IN in d.reason for d in decisions]
+    if stand_in_ms is not None:
+        assert stood_in == [True] * (n + 1) and rt.graphs.stats().captures == 1
+        assert all(d.config["backend"] == "triton" for d in decisions) and rt.graphs.stats().declined >= 2
+        return
     assert stood_in == [True] * (n - 1) + [False] * 2
     assert all(d.arm == "ragged_graph" and d.config["backend"] == "triton" for d in decisions[: n - 1])
     assert all(d.arm == "ragged_graph" and d.config["backend"] == "cublas" for d in decisions[n - 1 :])

@@ -294,6 +294,8 @@ class Runtime(UnreadShapes):
         stand_in = None  # (not for an explored arm: its run is to time it)
         if mask_only and free and arm == plan.arm and arm.graph and arm.ragged and not arm.mask_only:
             stand_in = self._stand_in(module, call, shape)
+            if stand_in is not None:
+                stand_in = (*stand_in, self._stand_in_costs(plan, arm, shape))
         if mask_only:
             t_exec = time.perf_counter()
         out, note = self._execute(module, call, arm, lens, stats, not_prefix, policy_plan, stand_in)
@@ -303,7 +305,8 @@ class Runtime(UnreadShapes):
             t_queued = time.perf_counter() if arm.graph and (note is None or note is STOOD_IN) else t_exec
             self.prelaunch.append((t_queued - t_read) * 1e3)
         graphs = self.graphs
-        if graphs is not None and graphs.deferred is not None:  # the batch's eager run is queued: capture now
+        stood_in = note is STOOD_IN
+        if graphs is not None and graphs.deferred is not None:  # the batch's run is queued: capture now
             extra = graphs.capture_deferred()
             note = note and note + extra
         # the record is made once the arm's work is queued: a launch-bound batch's latency is the host time
@@ -312,7 +315,7 @@ class Runtime(UnreadShapes):
         if sampled and graphs is not None and graphs.captures != captures:
             sampled = False  # this call captured a graph: its time is not the arm's latency
         if note:  # a graph arm ran eagerly this time, or the shape's mask graph: record what really ran, and why
-            record.arm = shape[1] if note is STOOD_IN else self._fallback(arm, policy_plan, call) if arm.graph else arm
+            record.arm = shape[1] if stood_in else self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
         if graphs is not None and graphs.evicted_note:  # captured in this call, evicting others to keep it
@@ -497,14 +500,17 @@ class Runtime(UnreadShapes):
             costs = None
             if plan is not None and plan.eager is not None and arm.label in plan.predicted_ms:
                 costs = (plan.eager_ms, plan.predicted_ms[arm.label])
+            if stand_in is not None and stand_in[2] is not None:
+                costs = stand_in[2]  # the capture pays only by what it saves over the stand-in's replays
             min_seen = max(_STAND_IN_SIGHTS, self.graphs.min_seen) if stand_in is not None else None
             out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs, min_seen)
             if note is None:
                 return out, None
-            from .graphs import FIRST_SIGHT, RARE
+            from .graphs import CAPTURE_NEXT, FIRST_SIGHT, NOT_WORTH, RARE
 
-            if stand_in is not None and note in (FIRST_SIGHT, RARE) and self.graphs.deferred is None:
-                graph, inputs = stand_in
+            # (a capture deferred by this lookup still follows: it is made once the stand-in's replay is queued)
+            if stand_in is not None and note in (FIRST_SIGHT, RARE, NOT_WORTH, CAPTURE_NEXT):
+                graph, inputs, _ = stand_in
                 out = (
                     graph.run_mask(call.x, call.kpm)
                     if inputs is None
@@ -534,6 +540,18 @@ class Runtime(UnreadShapes):
         if hidden is not None:
             hidden = [unpack(h) for h in hidden]
         return call.finish(unpack(values), hidden), note
+
+    @staticmethod
+    def _stand_in_costs(plan: Plan, arm: Arm, shape: list):
+        """(eager arm's ms, `arm`'s ms, the stand-in's ms) as predicted, for `GraphCache.worth`, or None where a
+        prediction is missing. A bucket with a stand-in is captured only where the capture repays itself out of
+        what the graph saves over the stand-in's replays, not over an eager run: the cuBLAS graph of a RACE B=32
+        bucket, read batches of a mask shape, was captured at its 8th sight inside a stream of new batches (30
+        ms, against 1.3 a batch; CoRa, H200, 2026-11-26), for a saving of a fraction of a millisecond a replay."""
+        mine, stand_in_ms = plan.predicted_ms.get(arm.label), shape[3].get(shape[1].label)
+        if plan.eager is None or mine is None or stand_in_ms is None:
+            return None
+        return plan.eager_ms, mine, stand_in_ms
 
     def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None, min_seen=None):
         """(output, None) from a replayed graph, or (None, why it must run eagerly). min_seen: the sight of a

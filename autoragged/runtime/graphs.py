@@ -229,9 +229,11 @@ class GraphCache:
         ratio = min(ratios) if ratios else _CAPTURE_PRIOR["rows" if kind.endswith("+rows") else "single"]
         return ratio * eager_ms
 
-    def worth(self, entry: list, kind: str, eager_ms: float, graph_ms: float) -> bool:
-        """Whether capturing the bucket of `entry` pays: expected replays x ms saved >= the capture's ms."""
-        saving = eager_ms - graph_ms
+    def worth(self, entry: list, kind: str, eager_ms: float, graph_ms: float, instead_ms: float | None = None) -> bool:
+        """Whether capturing the bucket of `entry` pays: expected replays x ms saved >= the capture's ms. The
+        saving is over the eager arm's ms, or over `instead_ms` where the batch has something else to run
+        without a capture (a kept graph standing in); the capture's cost scales with the eager arm's ms."""
+        saving = (eager_ms if instead_ms is None else instead_ms) - graph_ms
         if not saving > 0:
             return False
         replays = self.expected_replays(entry)
@@ -245,7 +247,8 @@ class GraphCache:
     def _get(self, key, make, device=None, kind="single", costs: tuple[float, float] | None = None, min_seen=None):
         """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time.
 
-        costs: (ms of the best eager arm, ms of this graph) as the runtime predicts them; given, the capture
+        costs: (ms of the best eager arm, ms of this graph[, ms of what runs instead]) as the runtime predicts
+        them (see `worth`); given, the capture
         must pay (`worth`) and happens after the batch ran eagerly (`deferred`, then `capture_deferred`);
         None (the tuner, the benchmarks' forced arms): captured now, at the min_seen-th sight. kind: the
         capture's cost class (a string, or a callable that makes it). min_seen: this lookup's own (default: the
