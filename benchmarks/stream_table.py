@@ -73,6 +73,7 @@ import autoragged  # noqa: E402
 from autoragged._costmodel import Arm  # noqa: E402
 from autoragged._measure import ArmRunner  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
+from autoragged._warmup import _bucket_label  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
 
@@ -192,7 +193,8 @@ def make_column(col: str, family: str, plain, args, dataset: str, batch: int):
                               seed=12345)  # fmt: skip
         info["warmup"] = {"seconds": s.seconds, "compile_s": s.compile_s, "capture_s": s.capture_s,
                           "captured": len(s.captured), "graphs": s.graphs, "graph_mb": s.graph_bytes / 2**20,
-                          "declined": s.declined, "batches": s.batches}  # fmt: skip
+                          "declined": s.declined, "batches": s.batches, "ahead_s": s.ahead_s,
+                          "buckets": s.captured}  # fmt: skip
     return _caller(model, hf, lengths=col == "auto_lengths"), model, contextlib.nullcontext, info
 
 
@@ -301,8 +303,13 @@ def traced_stream(fn, batches, device, model, top: int = 6) -> tuple[float, dict
 
 def _graph_totals(model) -> dict:
     totals = {"captures": 0, "capture_ms": 0.0, "evictions": 0, "declined": 0, "graphs": 0, "graph_mb": 0.0}
+    totals["keys"] = set()  # the kept graphs' buckets, as labels
     if model is None:
         return totals
+    for m in model.modules():
+        cache = getattr(m.__dict__.get("_autoragged"), "graphs", None)
+        if cache is not None:
+            totals["keys"] |= {_bucket_label(k) for k in cache.graphs}
     for s in autoragged.graph_stats(model).values():
         totals["captures"] += s.captures
         totals["capture_ms"] += s.capture_ms
@@ -335,8 +342,11 @@ def _why_ran(model, n: int) -> dict[str, int]:
 
 
 def _graph_delta(model, before: dict) -> dict:
+    """What the graph caches did since `before` (`_graph_totals`): counts, and the buckets captured meanwhile."""
     after = _graph_totals(model)
-    return {k: round(after[k] - before[k], 3) for k in ("captures", "capture_ms", "evictions", "declined")}
+    delta = {k: round(after[k] - before[k], 3) for k in ("captures", "capture_ms", "evictions", "declined")}
+    delta["buckets"] = sorted(after["keys"] - before["keys"])
+    return delta
 
 
 class CompileLog:
@@ -540,7 +550,8 @@ def cold_warm_row(family, plain, dataset, batch, args, device) -> dict:
         row[f"{col}_cold_ms"], row[f"{col}_warm_ms"] = 1e3 * cold, 1e3 * warm
         row[f"{col}_cold_over_warm"] = cold / warm
         warm_compiles = {f"warm_{k}": v for k, v in COMPILES.since(n).items() if k != "compiled"}
-        row["diag"][col] = {"setup_s": round(setup, 3), **info, **_graph_totals(model), **compiled, **warm_compiles}
+        totals = {k: v for k, v in _graph_totals(model).items() if k != "keys"}
+        row["diag"][col] = {"setup_s": round(setup, 3), **info, **totals, **compiled, **warm_compiles}
         if model is not None:
             row["diag"][col]["ran"] = ran
         del fn, model
