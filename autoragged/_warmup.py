@@ -155,6 +155,9 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
                 summary.batches += 1
                 bar.update(1)
         runtime = module._autoragged  # (a structure change re-binds the module)
+        if True in modes:
+            _warm_mask_graphs(module, runtime, groups, device)
+            runtime = module._autoragged
         _warm_arms(module, runtime, groups, device)
         runtime = module._autoragged
         summary.cublas_rows += _warm_cublas_rows(runtime, groups, device)
@@ -175,6 +178,49 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     summary.graphs += len(after["keys"])
     summary.graph_bytes += after["bytes"]
     return None
+
+
+def _warm_mask_graphs(module, runtime, groups, device) -> None:
+    """For each batch size whose warm batches left a mask graph (the ragged graph fed the mask) captured, one for
+    every other mask-graph length bucket its batches reached: a batch of the bucket runs once as a shape trusted
+    for the mask graph, and the shape's verdict is put back as it was (traffic judges it). A verdict is per shape
+    and made on the batch at hand: the tail's batches of CoLA B=128 (one sequence stretched to 37 tokens) were
+    judged for the read path, the stream's batches of that bucket for the mask graph, whose capture then fell in
+    the stream (28-36 ms, 1.20-1.26x the warm stream; HF bert-base, H200, 2026-11-26,
+    `stream_table_fresh_bert_cola128_buckets_h200.json`). These runs leave no other trace: the batch counter
+    that picks the sampled batches is put back too (their shift had an explored padded batch, 50 ms, fall into
+    a stream that had none). Only on a GPU, where the planner chooses."""
+    from ._costmodel import Arm
+    from ._planner import graph_config
+    from .runtime.unread import _shape_entry
+
+    cache = runtime.graphs
+    if device.type != "cuda" or cache is None or runtime.policy != "auto" or runtime.static_reason:
+        return
+    have = {(k[2], k[3]) for k in cache.graphs if k[0] == "ragged" and k[6] == "mask"}  # (batch, width)
+    limit = getattr(runtime.body, "max_tokens", None)
+    for lengths in groups:
+        lengths = [min(n, limit) for n in lengths] if limit is not None else lengths
+        B, L = len(lengths), max(max(lengths), 1)
+        width = mask_width(L)
+        if (B, width) in have or not any(b == B for b, _ in have):
+            continue
+        have.add((B, width))
+        key = runtime._shape_key(B, L)
+        kept = runtime.mask_shapes.get(key)
+        arm = Arm("ragged_graph", graph_config(runtime.body.head_dim, L, "triton"))
+        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, sum(lengths))
+        count = runtime.count
+        try:
+            args, kwargs = runtime.body.synthetic(lengths, L, device, mask=True)
+            module(*args, **kwargs)
+        finally:
+            runtime = module._autoragged
+            runtime.count = count
+            if kept is None:
+                runtime.mask_shapes.pop(key, None)
+            else:
+                runtime.mask_shapes[key] = kept
 
 
 def _warm_arms(module, runtime, groups, device) -> None:

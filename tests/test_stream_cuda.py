@@ -189,6 +189,36 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
     assert rt.graphs.stats().captures == 2  # the mask graph, then the cuBLAS graph at the bucket's n-th sight
 
 
+def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one():
+    """`_warm_mask_graphs`: a batch size with a mask graph kept gets one for each other length bucket its warm
+    batches reached, whatever the verdicts of their shapes; the shapes' verdicts and the batch counter are put
+    back (a new shape is judged by traffic); the output stays the model's."""
+    from autoragged import _warmup
+    from autoragged._buckets import mask_width
+
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    rt = enc._autoragged
+    head = D // H
+    x, mask = batch([60, 17, 33, 1])
+    key = rt._shape_key(4, 60)
+    rt.mask_shapes[key] = dispatch._shape_entry(dispatch._TRUST, Arm("ragged_graph", graph_config(head, 60, "triton")))
+    rt.sync_samples.append(0.05)
+    with torch.inference_mode():
+        enc(x, src_key_padding_mask=mask)  # trusted: the mask graph of width 64 is captured
+        widths = {k[3] for k in rt.graphs.graphs if k[6] == "mask"}
+        assert widths == {mask_width(60)} == {64}
+        count = rt.count
+        _warmup._warm_mask_graphs(enc, rt, [[20, 5, 9, 3], [9, 9], [61, 2, 2, 2]], torch.device("cuda"))
+        assert rt.count == count  # (the sampled batches are where they were)
+        widths = {(k[2], k[3]) for k in rt.graphs.graphs if k[6] == "mask"}
+        assert widths == {(4, 64), (4, 32)}  # not for batch size 2 (none kept), nothing new for 64
+        assert rt._shape_key(4, 20) not in rt.mask_shapes and rt.mask_shapes[key][0] == dispatch._TRUST
+        x, mask = batch([20, 5, 9, 3])
+        y = enc(x, src_key_padding_mask=mask)
+        want = rt.body.base.forward(enc, x, None, mask, None)
+    torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+
+
 def test_warmup_on_the_gpu_leaves_the_model_right():
     enc = autoragged.wrap(encoder(), db=False)
     s = autoragged.warmup(enc, "MRPC", batch_sizes=[8], batches=12, progress=False)
