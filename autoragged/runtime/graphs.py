@@ -244,12 +244,12 @@ class GraphCache:
         return replays * saving >= cost
 
     # -- lookups and captures --------------------------------------------------------------------------------
-    def _get(self, key, make, device=None, kind="single", costs: tuple[float, float] | None = None, min_seen=None):
+    def _get(self, key, make, device=None, kind="single", costs: tuple[float, ...] | None = None, min_seen=None):
         """(graph, note): a graph for `key`, or None with the reason it runs eagerly this time.
 
         costs: (ms of the best eager arm, ms of this graph[, ms of what runs instead]) as the runtime predicts
-        them (see `worth`); given, the capture
-        must pay (`worth`) and happens after the batch ran eagerly (`deferred`, then `capture_deferred`);
+        them; given, the capture must pay (`worth`) and happens after the batch ran (`deferred`, then
+        `capture_deferred`);
         None (the tuner, the benchmarks' forced arms): captured now, at the min_seen-th sight. kind: the
         capture's cost class (a string, or a callable that makes it). min_seen: this lookup's own (default: the
         cache's)."""
