@@ -12,7 +12,10 @@ import math
 
 from .kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
 
-__all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_rows", "LADDER_VERSION"]
+__all__ = [
+    "ladder", "ragged_bucket", "padded_bucket", "mask_width", "mask_rungs", "mask_tokens", "cublas_rows",
+    "LADDER_VERSION",
+]  # fmt: skip
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
 # other work, and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
@@ -53,6 +56,65 @@ def mask_width(seq_len: int) -> int:
     (MNLI B=32, after 24 warm-up batches) still met two new buckets: 53 ms of captures in 112 ms (H200,
     2026-11-25, `benchmarks/stream_table.py --quick --models bert-base`)."""
     return ladder(seq_len, floor=16, multiple=16, steps=2)
+
+
+# mask_rungs: the batches of one mask graph (B, mask_width) fill rows around the judged batch's; the fine rungs
+# cover these shares of it (4 rungs of 8 per octave span 1.41x). A batch's tokens are a sum of B lengths: over 400
+# draws of each CoRa row, grouped by mask width, 90% fell within 0.87-1.15x of their group's median at B=32
+# (MNLI, the widest), 0.93-1.08x at B=128. Other batches share the graph too (another source of the same B and
+# width: in one process the HF table's B=128 rows of MRPC, XNLI and Wiki128 met one graph, captured for the first
+# one's tokens, and ran its Triton branch; H200, 2026-11-26): coarser rungs, 4 per octave, cover the rest of the
+# capacity above and down to 0.6x, as many as fit in _MAX_RUNGS.
+_RUNG_LOW, _RUNG_HIGH, _FINE_RUNGS, _MAX_RUNGS, _COARSE_LOW = 0.85, 1.2, 4, 7, 0.6
+# below this share of the lowest rung the Triton branch does less work than cuBLAS on the whole rung (the
+# analytic prior's Triton linear runs at 0.7x cuBLAS's rate)
+_RUNG_FLOOR = 0.7
+
+
+@functools.lru_cache(maxsize=4096)
+def mask_rungs(tokens: int, capacity: int) -> tuple[tuple[int, int], ...]:
+    """The cuBLAS branches of a ragged graph fed the mask whose batches are expected to fill about `tokens`
+    rows of its `capacity` (batch x mask width): (lowest, rows) per branch, a batch of T counted rows taking
+    the branch with lowest < T <= rows. Fine rungs, the ragged graph's (`ragged_bucket`, 8 per octave), from
+    0.85x to 1.2x `tokens` (at most 4), then coarse ones (4 per octave) up to the capacity and down to 0.6x
+    `tokens`, alternately, at most 7 in all; none past the capacity (the capacity itself where the rungs would
+    pass it). The lowest rung also takes batches down to 0.7x its rows (all of them at the ladder's floor).
+    Empty where no rung fits (`tokens` <= 0 or past the capacity): the graph has its Triton branch alone."""
+    if tokens <= 0 or tokens > capacity:
+        return ()
+    fine = functools.partial(ladder, floor=256, multiple=128, steps=8)
+    coarse = functools.partial(ladder, floor=256, multiple=128, steps=4)
+    r, top = fine(max(1, int(tokens * _RUNG_LOW))), fine(max(1, int(tokens * _RUNG_HIGH)))
+    rows: list[int] = []
+    while r <= min(top, capacity) and len(rows) < _FINE_RUNGS:
+        rows.append(r)
+        r = fine(r + 1)
+    if not rows:  # the first fine rung passes the capacity: the capacity itself
+        rows.append(capacity)
+    below = int(tokens * _COARSE_LOW)
+    while len(rows) < _MAX_RUNGS:
+        grew = False
+        if rows[-1] < capacity:
+            rows.append(min(capacity, coarse(rows[-1] + 1)))
+            grew = True
+        if len(rows) < _MAX_RUNGS and int(rows[0] * _RUNG_FLOOR) > below:
+            lower = coarse(int(rows[0] * _RUNG_FLOOR))  # (takes what the rung above it leaves)
+            if lower < rows[0]:
+                rows.insert(0, lower)
+                grew = True
+        if not grew:
+            break
+    # (the ladder's floor, 256 rows, is launch-bound: any fewer rows take it)
+    lows = [0 if rows[0] <= 256 else int(rows[0] * _RUNG_FLOOR), *rows[:-1]]
+    return tuple(zip(lows, rows))
+
+
+@functools.lru_cache(maxsize=4096)
+def mask_tokens(tokens: int) -> int:
+    """The tokens bucket of a ragged graph fed the mask with cuBLAS branches (2 per octave; part of its key): its
+    rungs center on the tokens of the batch it was captured for, so batches of one (B, mask width) but other
+    token counts (another source of the same widths) get a graph of their own rather than its Triton branch."""
+    return ladder(max(tokens, 1), floor=256, multiple=128, steps=2)
 
 
 _CUBLAS_LADDER_ROWS = 8192  # cublas_rows: the ladder up to here, whole blocks of _CUBLAS_BLOCK rows beyond

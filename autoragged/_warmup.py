@@ -198,12 +198,17 @@ def _warm_mask_graphs(module, runtime, groups, device) -> None:
     if device.type != "cuda" or cache is None or runtime.policy != "auto" or runtime.static_reason:
         return
     have = {(k[2], k[3]) for k in cache.graphs if k[0] == "ragged" and k[6] == "mask"}  # (batch, width)
+    sizes = {b for b, _ in have}
     limit = getattr(runtime.body, "max_tokens", None)
     for lengths in groups:
         lengths = [min(n, limit) for n in lengths] if limit is not None else lengths
         B, L = len(lengths), max(max(lengths), 1)
         width = mask_width(L)
-        if (B, width) in have or not any(b == B for b, _ in have):
+        if B not in sizes:
+            continue
+        # kept: a graph of (B, width), with cuBLAS branches (runtime.mask_rungs) one whose rungs hold the batch's
+        # tokens (GraphCache.ragged_mask captures another for them, as traffic would)
+        if (B, width) in have and (not runtime.mask_rungs or cache.mask_covering(B, width, sum(lengths)) is not None):
             continue
         have.add((B, width))
         key = runtime._shape_key(B, L)

@@ -100,10 +100,10 @@ def _masked_kernel(
                 tl.store(value_rows + cols, v, mask=real[:, None] & (cols < D))
 
 
-def _launch(args, values, offsets, batch: int, width: int, unpack: bool, first_column: bool):
+def _launch(args, values, offsets, batch: int, width: int, unpack: bool, first_column: bool, fits: bool = False):
     if args.numel() < MASK_ARGS or args.dtype != torch.int64:
         raise ValueError(f"args must be int64 of at least {MASK_ARGS} elements")
-    if values.shape[0] < batch * width or values.stride(1) != 1:
+    if (values.shape[0] < batch * width and not fits) or values.stride(1) != 1:
         raise ValueError(f"values {tuple(values.shape)} cannot hold {batch} rows of up to {width} tokens")
     need = batch + 1 if first_column else batch  # first_column reads where each row's component ends
     if offsets.numel() < need or offsets.dtype != torch.int32 or offsets.device != values.device:
@@ -124,9 +124,11 @@ def pack_masked(args, values, offsets, batch: int, width: int, first_column: boo
     return values
 
 
-def unpack_masked(args, values, offsets, batch: int, width: int, first_column: bool = False) -> None:
-    """Scatter `values` into the padded output `args` points at, zeros at pads (module docstring)."""
-    _launch(args, values, offsets, batch, width, unpack=True, first_column=first_column)
+def unpack_masked(args, values, offsets, batch: int, width: int, first_column=False, fits: bool = False) -> None:
+    """Scatter `values` into the padded output `args` points at, zeros at pads (module docstring). fits: the
+    caller guarantees the batch's rows fit in `values` though it has fewer than `batch` x `width` (the branch of
+    a mask graph whose predicate took it for a rung of rows: runtime/capture.py, `_Rungs`)."""
+    _launch(args, values, offsets, batch, width, unpack=True, first_column=first_column, fits=fits)
 
 
 def _rows_of(mask_row: torch.Tensor, first_column: bool) -> torch.Tensor:

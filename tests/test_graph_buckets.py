@@ -12,7 +12,7 @@ from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoragged._buckets import ladder, mask_width, padded_bucket, ragged_bucket
+from autoragged._buckets import ladder, mask_rungs, mask_tokens, mask_width, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
@@ -64,6 +64,50 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
 def test_ragged_graph_rows_waste_at_most_a_ninth(n):
     rows = ragged_bucket(n, 8, 64)[0]
     assert rows >= n and rows % 128 == 0 and rows <= n * 1.095 + 128
+
+
+@given(st.integers(1, 40_000), st.integers(1, 70_000))
+def test_mask_rungs_rise_within_the_capacity_and_hold_the_tokens(tokens, capacity):
+    """The cuBLAS branches of a mask graph (runtime/capture.py, `_Rungs`): rising rows, none past the capacity,
+    at most 7, each branch taking the rows above the previous one's, whole multiples of 128 rows or the capacity;
+    a batch of the expected tokens fits one where the capacity holds it."""
+    rungs = mask_rungs(tokens, capacity)
+    assert len(rungs) <= 7
+    rows = [r for _, r in rungs]
+    assert rows == sorted(set(rows)) and all(r <= capacity for r in rows)
+    assert all(r % 128 == 0 or r == capacity for r in rows)
+    assert all(low == prev for (low, _), prev in zip(rungs[1:], rows))
+    if tokens <= capacity:
+        assert rungs and rungs[0][0] < rows[0] and any(low < tokens <= r for low, r in rungs)
+    else:
+        assert rungs == ()
+
+
+def test_mask_rungs_are_fine_around_the_tokens_and_coarse_beyond():
+    # fine (8 per octave) from 0.85x to 1.2x of 7405, then 4 per octave above, one below
+    assert mask_rungs(7405, 128 * 128) == (
+        (3494, 4992), (4992, 6400), (6400, 6912), (6912, 7552), (7552, 8192), (8192, 9856), (9856, 11648)
+    )  # fmt: skip
+    assert mask_rungs(4096, 4096) == ((2060, 2944), (2944, 3840), (3840, 4096))  # the capacity: every column real
+    assert mask_rungs(100, 512) == ((0, 256), (256, 384), (384, 512))  # the ladder's floor takes any fewer rows
+    assert mask_rungs(0, 512) == () and mask_rungs(5000, 4096) == ()
+    assert [mask_tokens(n) for n in (1, 256, 257, 329, 384, 385)] == [256, 256, 384, 384, 512, 512]  # 2 an octave
+
+
+def test_the_switch_node_picks_the_first_bound_holding_the_count_else_the_last_branch():
+    """runtime/_cuda_if.py: the device kernel's reference, and the driver's node-parameter layout (CUDA's
+    CUgraphNodeParams: 256 bytes, the conditional parameters at byte 16)."""
+    import ctypes
+
+    from autoragged.runtime import _cuda_if
+
+    bounds = ((0, 256), (256, 384), (384, 512))
+    assert [_cuda_if.pick_branch_ref(n, bounds) for n in (0, 1, 256, 257, 384, 512, 513)] == [3, 0, 0, 1, 1, 2, 3]
+    assert _cuda_if.pick_branch_ref(5, ()) == 0
+    assert ctypes.sizeof(_cuda_if._NodeParams) == 256 and _cuda_if._NodeParams.conditional.offset == 16
+    assert ctypes.sizeof(_cuda_if._ConditionalParams) == 32
+    if not torch.cuda.is_available():
+        assert _cuda_if.why_not(0) is not None  # says why, raises nothing
 
 
 def test_layout_reference_refuses_a_grid_too_small():

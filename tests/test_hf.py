@@ -403,18 +403,32 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
     assert "hf-bert:2x64/2h/ff128:gelu:post:float32" in text and "ragged" in text
 
 
-@pytest.mark.parametrize("family", ["bert", "albert", "roberta"])
-def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family):
+# the mask graph's branches (runtime/capture.py, `_Rungs`) for the batch below, which counts 20 rows (17 tokens and
+# the column 0 of its 3 left-padded rows): (rungs, the rows of the branch that must run; None: the Triton one)
+_RUNG_CASES = [
+    ("bert", None, None),
+    ("bert", ((0, 24), (24, 48)), 24),  # the first rung holds it
+    ("albert", ((0, 10), (10, 30)), 30),  # the second
+    ("roberta", ((0, 19),), None),  # one row too many for any rung: the Triton branch
+    ("roberta", ((19, 20),), 20),  # exactly the rung's rows
+    ("bert", ((20, 40),), None),  # at the lowest bound: not the rung's (lowest < T <= rows)
+]
+
+
+@pytest.mark.parametrize("family, rungs, branch", _RUNG_CASES)
+def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family, rungs, branch):
     """The ragged graph fed a mask (runtime/capture.py, io="mask") never reads lengths, so it cannot send a
     left-padded batch of a first-token-pooler model to the padded arm as the eager arms do. It computes
     column 0 of such a row (a pad, which the original computes and its pooler reads) as a query-only row:
     here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed,
     one-token and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the
-    original's, and the pads it reports the mask's."""
+    original's, and the pads it reports the mask's. With cuBLAS branches on rungs of rows (`_Rungs`, run
+    eagerly as the predicate picks: a capture makes each one a conditional node) exactly the branch the
+    counted rows pick runs, on its rung's rows, and computes the same."""
     from autoragged.kernels import graph_layout
 
     from autoragged._planner import graph_config
-    from autoragged.runtime.capture import _StaticLayout, mask_pass
+    from autoragged.runtime.capture import _Rungs, _StaticLayout, mask_pass
 
     model = autoragged.wrap(model_of(family), db=False, policy="ragged")
     body = model._autoragged.ready(model).body
@@ -442,10 +456,19 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
         mask = ~keep
         args = torch.tensor([x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2], B, L,
                              mask.data_ptr(), *mask.stride()], dtype=torch.int64)  # fmt: skip
-        pads = mask_pass(body.values, args, meta, values, layout, batch, programs, config, False, width)
+        ran = []
+
+        def values_fn(v, layout, config, causal):
+            ran.append((v.shape[0], config.backend))
+            return body.values(v, layout, config, causal)
+
+        switch = _Rungs(rungs, "cpu", eager="taken") if rungs else None
+        pads = mask_pass(values_fn, args, meta, values, layout, batch, programs, config, False, width, switch)
         pooled = body.family.pool(model, out)
         plain = _unwrapped(model)
         want, want64 = plain(**kwargs), copy.deepcopy(plain).double()(**kwargs)
+    assert layout.live[0] == 20
+    assert ran == ([(batch * width, "triton")] if branch is None else [(branch, "cublas")])
     assert pads[:B].tolist() == [width - n for n in keep.sum(1).tolist()]
     rows = torch.tensor([True, True, True, True, False])  # an all-pad row has no real token to pool
     field = "last_hidden_state"

@@ -100,6 +100,16 @@ def test_the_lengths_graph_embeds_in_the_graph_and_zeros_columns_past_its_bucket
     assert graphs[0][7] == ("ids_tt" if given == "input_ids" else None)
 
 
+def _unsynced(fn):
+    """fn() with any device sync an error (the work queued before it drained first)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize(("pooler", "types"), [(False, False), (True, False), (True, True)])
 def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
@@ -125,12 +135,7 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     with torch.inference_mode():
         for call, k in ((kwargs, keep), (left, keep.flip(1))):
             m(**call)  # captures (or replays) the mask graph
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                out = m(**call)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            out = _unsynced(lambda call=call: m(**call))
             want = plain(**call)
             torch.testing.assert_close(out.last_hidden_state[k].float(), want.last_hidden_state[k].float(),
                                        rtol=2e-2, atol=2e-2)  # fmt: skip
@@ -141,6 +146,44 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
     kept = [k for k in rt.graphs.graphs if k[0] == "ragged" and k[6] == "mask"]
     assert len(kept) == 1 and kept[0][7] == "ids_tt"  # the embeddings ran in the graph, one for both calls
+
+
+def test_the_mask_graph_runs_the_branch_its_counted_rows_pick():
+    """The ragged graph fed the mask holds cuBLAS branches on rungs of rows around the judged batch's tokens
+    (runtime/capture.py, `_Rungs`: conditional nodes, runtime/_cuda_if.py), and the Triton branch for a batch
+    that fits none.
+    Batches of one graph whose rows fall in each rung, below the lowest and past the highest run the branch
+    their counted rows pick, each the original's function, without a sync."""
+    from autoragged.runtime import core
+
+    m = autoragged.wrap(model("bert-base", torch.float16, layers=2), db=False, sample_every=0)
+    rt = m._autoragged
+    if not rt.mask_rungs:
+        pytest.skip("CUDA graphs here take no conditional nodes")
+    rt.graph_min_seen = 1
+    arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
+    plain = model("bert-base", torch.float16, layers=2)
+    rt.mask_shapes[rt._shape_key(6, 128)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, sum(LENGTHS))
+    cases = {  # tokens 329: rungs (268, 384], (384, 512], (512, 640], (640, 768] of 768 rows; the Triton branch (4)
+        LENGTHS: 0,
+        (128, 100, 90, 60, 40, 32): 1,
+        (128, 20, 20, 12, 10, 10): 4,
+        (128, 128, 128, 128, 100, 88): 3,
+    }
+    with torch.inference_mode():
+        for lengths, branch in cases.items():
+            kwargs, keep = batch(lengths, seed=branch)
+            m(**kwargs)  # captures the mask graph at the first call, replays it after
+            out = _unsynced(lambda kwargs=kwargs: m(**kwargs))
+            graph = next(g for k, g in rt.graphs.graphs.items() if k[0] == "ragged" and k[6] == "mask")
+            assert graph.rungs.rows == (384, 512, 640, 768)
+            assert graph.rungs.taken.item() == branch, lengths
+            want = plain(**kwargs)
+            torch.testing.assert_close(out.last_hidden_state[keep].float(), want.last_hidden_state[keep].float(),
+                                       rtol=2e-2, atol=2e-2)  # fmt: skip
+            torch.testing.assert_close(out.pooler_output.float(), want.pooler_output.float(), rtol=2e-2, atol=2e-2)
+            assert (out.last_hidden_state[~keep] == 0).all()
+    assert sum(k[0] == "ragged" and k[6] == "mask" for k in rt.graphs.graphs) == 1
 
 
 def _syncs(fn) -> int:

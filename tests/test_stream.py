@@ -118,7 +118,7 @@ def test_a_trusted_shapes_mask_graph_is_captured_at_its_first_sight(fake_device,
     from autoragged.kernels import KernelConfig
 
     monkeypatch.setattr(_graphs, "_RaggedGraph", lambda *args: _Fake())
-    runtime = types.SimpleNamespace(_parameters=lambda module: [])
+    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=False)
     config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
     cache = _graphs.GraphCache()
     args = (runtime, None, config, False, 32, 50, torch.float16, "cuda")

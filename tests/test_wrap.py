@@ -464,6 +464,30 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     assert rt.mask_shapes[rt._shape_key(9, 40)][0] == 0
 
 
+def test_a_mask_graph_with_cublas_rungs_is_judged_as_the_cublas_graph():
+    """Where the mask graph holds cuBLAS branches on rungs of rows (runtime/capture.py, `_Rungs`; CUDA 12.4+),
+    it does the cuBLAS graph's work without the read: the verdict weighs the lesser of its Triton prediction
+    and the cuBLAS graph's, so a shape whose read path is the cuBLAS graph skips the read. Without rungs the
+    Triton prediction alone, as before."""
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+
+    enc = autoragged.wrap(make_encoder(), db=False, policy="auto")
+    rt = enc._autoragged
+    rt.sync_samples.append(0.05)
+    mask_arm = Arm("ragged_graph", graph_config(16, 40, "triton"))
+    cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
+    predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.6}
+    rt.mask_rungs = False
+    assert rt._judge_shape(8, 40, predicted, mask_arm, 123)[0] == 0  # 0.6 > 0.4 + 0.05: read
+    rt.mask_rungs = True
+    assert rt._mask_graph_ms(predicted, mask_arm) == 0.4
+    assert rt._judge_shape(8, 40, predicted, mask_arm, 123)[:2] == [1, mask_arm]  # 0.4 <= 0.45: not read
+    assert rt._mask_graph_ms({**predicted, mask_arm.label: 0.3}, mask_arm) == 0.3  # the lesser
+    del predicted[cublas.label]
+    assert rt._mask_graph_ms(predicted, mask_arm) == 0.6  # no cuBLAS graph predicted: its own
+
+
 def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     """Where the prior predicts (no calibration) and probes run, a mask graph predicted to lose by less than
     _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS, until the shape's probes

@@ -20,7 +20,9 @@ ragged_graph: the layout, pack, the encoder layers on static values of `rows` bu
     the tokens, in any padding pattern, back to back (kernels/masked_pack.py), in values with room for
     batch x padded-bucket rows. Only the device knows how many rows the batch fills, so the linears are
     our Triton kernel (cuBLAS needs the row count on the host) and they and the norms read that count
-    and stop there (`Layout.live`): the work is that of the real tokens, as with io="padded". Nothing
+    and stop there (`Layout.live`): the work is that of the real tokens, as with io="padded". Where CUDA graphs
+    take SWITCH nodes the graph also holds the layers with cuBLAS linears on a few rungs of rows around the
+    tokens its batches bring, and a kernel in the graph picks the branch the counted rows fit (`_Rungs`). Nothing
     synchronises. A body whose pooler reads column 0 (`first_column`) gets a left-padded row's column 0, a
     pad the original computes, as one more, query-only row (kernels/masked_pack.py, `mask_pass`).
 padded_graph: the original module captured on a static (B, bucket length) input with the key padding
@@ -45,6 +47,7 @@ replay reads and writes through pointers are used like any kernel's arguments on
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 
@@ -170,17 +173,114 @@ def event_pending(event: torch.cuda.Event) -> bool:
     return not (_query(event) if _query is not None else event.query())
 
 
-def mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width) -> torch.Tensor:
+def mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width, rungs=None):
     """What a ragged graph fed a mask runs (io="mask"), on the batch `args` points at (kernels/masked_pack.py):
     the layout counted from the mask, pack, the layers (`values_fn`, a body's `values`), unpack. A layout with
-    `key_lengths` (a body's `first_column`) adds a left-padded row's column 0 as a query-only row. Returns
-    each row's pads over `width` columns (for the decision record)."""
+    `key_lengths` (a body's `first_column`) adds a left-padded row's column 0 as a query-only row. With
+    `rungs` (`_Rungs`) the layers and the unpack run in the branch the counted rows pick: cuBLAS linears on a
+    rung's rows, or the Triton linears on all of them. Returns each row's pads over `width` columns (for the
+    decision record)."""
     first = layout.key_lengths is not None
     graph_layout.layout(args, meta, batch, programs, config.block_m, 1, from_mask=True, first_column=first)
     masked_pack.pack_masked(args, values, layout.offsets, batch, width, first)
-    out = values_fn(values, layout, config, causal)
-    masked_pack.unpack_masked(args, out, layout.offsets, batch, width, first)
+
+    def branch(rows: int | None, branch_config) -> None:
+        out = values_fn(values if rows is None else values[:rows], layout, branch_config, causal)
+        # (a rung's branch runs only for a batch whose rows fit its rung)
+        masked_pack.unpack_masked(args, out, layout.offsets, batch, width, first, fits=rows is not None)
+
+    if rungs is None:
+        branch(None, config)
+    else:
+        rungs.run(layout.live, [functools.partial(branch, *b) for b in rungs.branches(config)])
     return width - (layout.key_lengths if first else layout.lengths)
+
+
+def mask_rungs_supported() -> bool:
+    """Whether ragged graphs fed the mask may hold cuBLAS branches (`_Rungs`) in this process: PyTorch built
+    with CUDA 12.4+ (conditional graph nodes), whose CUDAGraph can keep its graph, and AUTORAGGED_MASK_RUNGS not
+    "0". The device's own check (a CUDA 12.8+ driver for SWITCH nodes, NVRTC: `_cuda_if.why_not`) comes at the
+    first capture."""
+    cuda = torch.version.cuda
+    version = tuple(int(p) for p in cuda.split(".")[:2]) if cuda else (0, 0)
+    return (
+        os.environ.get("AUTORAGGED_MASK_RUNGS", "1") != "0" and version >= (12, 4)
+        and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
+    )  # fmt: skip
+
+
+class _Rungs:
+    """The branches of a ragged graph fed the mask: cuBLAS linears on each of a few rungs of rows, and the
+    Triton linears (which stop at the counted rows) for a batch that fits none. Only the device knows how many
+    rows a batch fills, and cuBLAS needs its row count on the host; so each branch is captured as a graph of its
+    own, and the ragged graph holds them as the branches of one SWITCH node (CUDA 12.8+, runtime/_cuda_if.py),
+    one kernel in the graph picking the branch from the counted rows: the graph does the cuBLAS graph's work on
+    the rung's rows without reading the lengths. On bert-base the replay then took what the cuBLAS graph fed
+    lengths takes, within -10% to +5% (the Triton linears alone: +5% to +27%; H200, 2026-11-26).
+    `rungs`: (lowest, rows) per branch (`_buckets.mask_rungs`); a batch of T rows takes the branch with
+    lowest < T <= rows, else the Triton one. Outside a capture the branches run eagerly: all of them in the
+    warm-up run (`eager="all"`, compiling each one's kernels and making cuBLAS's handles before the capture; the
+    branches are kept for `capture_bodies`), or only the one picked (`eager="taken"`: a sync; the CPU tests)."""
+
+    def __init__(self, rungs, device, eager: str = "all"):
+        self.rows = tuple(r for _, r in rungs)
+        self.bounds_host = tuple(tuple(b) for b in rungs)
+        self.bounds = torch.tensor(rungs, dtype=torch.int32, device=device).reshape(-1, 2)
+        self.taken = torch.zeros(1, dtype=torch.int32, device=device)  # the branch the last replay ran
+        self.eager = eager
+        self.capturing = False  # `_warm_and_capture` sets it for the capture of the graph that holds the branches
+        self.fns = None  # the branches of the last eager run (`capture_bodies` captures them)
+        self.bodies = None  # their graphs, for the capture
+
+    def holds(self, rows: int) -> bool:
+        """Whether a batch of `rows` counted rows takes a cuBLAS branch."""
+        return any(low < rows <= high for low, high in self.bounds_host)
+
+    def branches(self, config):
+        """(rows or None for all, the branch's config) per branch, the Triton one last."""
+        cublas = config.replace(backend="cublas")
+        return [*((rows, cublas) for rows in self.rows), (None, config)]
+
+    def run(self, live: torch.Tensor, fns) -> None:
+        """The branches `fns` (one per `branches`) on a batch whose counted rows are live[0]: in the capture,
+        the conditional nodes (their bodies captured by `capture_bodies`); outside, eagerly (see the class)."""
+        if self.capturing:
+            from . import _cuda_if
+
+            _cuda_if.add_branches(live[:1], self.bounds, self.taken, [g.raw_cuda_graph() for g in self.bodies])
+            return
+        self.fns = fns
+        if self.eager == "all":
+            for fn in reversed(fns):  # (the most rows first: see capture_bodies)
+                fn()
+        else:
+            from ._cuda_if import pick_branch_ref
+
+            pick = pick_branch_ref(int(live[0]), self.bounds_host)
+            self.taken.fill_(pick)
+            fns[pick]()
+
+    def capture_bodies(self, pool, capture_error_mode: str) -> None:
+        """Capture each branch of the last eager run as a graph of its own (kept for the conditional nodes), on
+        `pool`: the branches run one at a time, so each one's buffers may take the memory another's left. The
+        most rows first (the Triton branch, then the rungs downwards), so that a smaller branch's buffers may fit
+        in the larger one's blocks. The memory is still several times the Triton graph's alone: for bert-base at
+        128 x 128 rows, 2.3 GB reserved (2.8 in ascending order) against 0.7 (H200, 2026-11-26)."""
+        bodies: list = [None] * len(self.fns)
+        for i in reversed(range(len(self.fns))):
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            try:
+                self.fns[i]()
+            finally:
+                graph.capture_end()
+            bodies[i] = graph
+        self.bodies, self.fns = bodies, None
+
+    def release(self) -> None:
+        """After the capture: the conditional nodes hold copies of the bodies."""
+        self.bodies = self.fns = None
+        self.capturing = False
 
 
 class _RaggedGraph:
@@ -190,7 +290,7 @@ class _RaggedGraph:
     Per batch, the args (pointers, strides, sizes and lengths) go through `replay`: a pinned slot the
     graph's first kernel reads."""
 
-    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None):
+    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None, rungs=()):
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         # io="mask" or "padded": None (the graph packs the caller's x), or "ids" / "ids_tt": the graph runs the
         # body's embedding step itself on static token ids (and token types), which `run_mask_ids` or
@@ -200,6 +300,7 @@ class _RaggedGraph:
         body = runtime.body
         D = body.d_model
         self.config, self.batch, self.rows, self.io = config, batch, rows, io
+        self.rungs = None
         self.dtype, self.device, self.batch_first, self.d_model = dtype, device, body.batch_first, D
         index = torch.device(device).index  # compared with x.get_device(): cheaper than building x.device
         self.index = torch.cuda.current_device() if index is None else index
@@ -236,12 +337,14 @@ class _RaggedGraph:
 
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width, embed_ids = max_len, self._embed_step(module, body, batch, max_len, D, device)
+            # cuBLAS branches on rungs of rows (`_Rungs`), each a conditional node; () for the Triton linears alone
+            switch = self.rungs = _Rungs(rungs, device) if rungs else None
 
             def run():
                 mailbox.fetch()
                 if embed_ids is not None:
                     embed_ids()
-                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
+                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width, switch)
 
         else:  # io="padded": pack the caller's x, or the embeddings of static token ids (`run_padded_ids`)
             extent, embed_ids = -(-max_len // align) * align, self._embed_step(module, body, batch, max_len, D, device)
@@ -488,6 +591,15 @@ def _capture_stream(device) -> torch.cuda.Stream:
     return stream
 
 
+def _capture_branches(holder, pool) -> None:
+    """A ragged graph with `_Rungs`: its branches, as the warm-up run left them, captured as graphs of their
+    own for the conditional nodes of the capture that follows."""
+    switch = getattr(holder, "rungs", None)
+    if switch is not None:
+        switch.capture_bodies(pool, "thread_local")
+        switch.capturing = True
+
+
 def _warm_and_capture(holder, run, device, pool) -> None:
     """One eager run on a side stream (compiles Triton kernels, creates cuBLAS handles), then the capture.
 
@@ -507,12 +619,15 @@ def _warm_and_capture(holder, run, device, pool) -> None:
         holder.graph = graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the user's, say) do not invalidate this capture
         if _DRAIN:
+            with torch.inference_mode(), torch.cuda.stream(_capture_stream(device)):
+                _capture_branches(holder, pool)
             with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 holder.output = run()
         else:
             if torch.cuda.mem_get_info(device)[0] < _LOW_MEMORY:
                 torch.cuda.empty_cache()
             with torch.inference_mode(), torch.cuda.stream(_capture_stream(device)):
+                _capture_branches(holder, pool)
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     holder.output = run()
@@ -521,6 +636,8 @@ def _warm_and_capture(holder, run, device, pool) -> None:
     finally:
         if collecting:
             gc.enable()
+        if getattr(holder, "rungs", None) is not None:
+            holder.rungs.release()  # (the conditional nodes hold copies of the branches' graphs)
     # The graph reads whatever `run` read; keep its closure (and all it holds) alive with the graph. A
     # buffer only the closure referenced was freed after capture and reused by later allocations: the
     # padded graph's mask positions did, and its replays went wrong after the next eager allocation.

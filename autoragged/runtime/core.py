@@ -47,6 +47,7 @@ from .._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
 from .._recorder import RECORDER
 from ..kernels._config import KernelConfig
 from ..tuning_db import BatchStats, Measurement
+from .capture import mask_rungs_supported
 from .records import PadsRing, Record, timers
 from .unread import (  # noqa: F401 - the constants are read here by tests and tools
     _MAX_SHAPES,
@@ -114,6 +115,8 @@ class Runtime(UnreadShapes):
         # False: capture a bucket at its second sight, at once, cost or not (the rule before the capture policy)
         self.capture_policy = options.capture == "pays"
         self.mask_reads = options.mask_reads  # "one_behind", or "recheck" (the rule before: see _TRUST_RECHECK)
+        # the ragged graph fed the mask holds cuBLAS branches on rungs of rows (runtime/capture.py, `_Rungs`)
+        self.mask_rungs = mask_rungs_supported()
         self.recording = True  # decisions and timings go to the database (`autoragged.warmup` turns it off)
         self._probe, self._probe_epoch = None, -1
         self._params, self._params_epoch = [], -1
@@ -541,17 +544,16 @@ class Runtime(UnreadShapes):
             hidden = [unpack(h) for h in hidden]
         return call.finish(unpack(values), hidden), note
 
-    @staticmethod
-    def _stand_in_costs(plan: Plan, arm: Arm, shape: list):
+    def _stand_in_costs(self, plan: Plan, arm: Arm, shape: list):
         """(eager arm's ms, `arm`'s ms, the stand-in's ms) as predicted, for `GraphCache.worth`, or None where a
         prediction is missing. A bucket with a stand-in is captured only where the capture repays itself out of
         what the graph saves over the stand-in's replays, not over an eager run: the cuBLAS graph of a RACE B=32
         bucket, read batches of a mask shape, was captured at its 8th sight inside a stream of new batches (30
         ms, against 1.3 a batch; CoRa, H200, 2026-11-26), for a saving of a fraction of a millisecond a replay."""
-        mine, stand_in_ms = plan.predicted_ms.get(arm.label), shape[3].get(shape[1].label)
-        if plan.eager is None or mine is None or stand_in_ms is None:
+        mine, stand_in = plan.predicted_ms.get(arm.label), shape[3]
+        if plan.eager is None or mine is None or shape[1].label not in stand_in:
             return None
-        return plan.eager_ms, mine, stand_in_ms
+        return plan.eager_ms, mine, self._mask_graph_ms(stand_in, shape[1])
 
     def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None, min_seen=None):
         """(output, None) from a replayed graph, or (None, why it must run eagerly). min_seen: the sight of a

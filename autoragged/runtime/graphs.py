@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._buckets import mask_width, padded_bucket, ragged_bucket
+from .._buckets import mask_rungs, mask_tokens, mask_width, padded_bucket, ragged_bucket
+from . import _cuda_if
 from .capture import _PaddedGraph, _RaggedGraph, event_done, event_pending, mask_pass, record_event
 
 __all__ = [
@@ -400,7 +401,9 @@ class GraphCache:
         """The ragged graph of a mask-only (batch, seq_len) batch whose lengths are not read, with room for
         batch rows of `mask_width(seq_len)` (2 rungs an octave: the layers' work stops at the counted rows).
         `config` must name Triton linears (see io="mask"); `tile_rows`, the real rows its batches are expected
-        to fill, picks the linears' tiles at capture.
+        to fill, picks the linears' tiles at capture and, where CUDA graphs take conditional nodes and the
+        runtime's `mask_rungs` is on, the rungs of its cuBLAS branches (`_buckets.mask_rungs`, capture.py's
+        `_Rungs`): a batch whose rows fit one runs cuBLAS linears on the rung's rows.
         `inputs`: None (it packs the caller's embeddings), or "ids" / "ids_tt" (`Call.graph_inputs`): it runs
         the body's embedding step itself (`run_mask_ids`). `trusted`: the lookup of a shape judged to win on
         this arm (runtime/unread.py), whose recurrence its verdict established already: captured at the first
@@ -409,9 +412,36 @@ class GraphCache:
             raise ValueError(f"the mask graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self._check_params(runtime._parameters(module))
         width = mask_width(seq_len)
-        key = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
-        make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, self.pool, tile_rows)  # noqa: E731
-        return self._get(key, make, device, "ragged/mask/triton", costs, 1 if trusted else None)
+        rungs = mask_rungs(tile_rows or 0, batch * width) if runtime.mask_rungs else ()
+        if rungs and _cuda_if.why_not(device) is not None:  # (checked once a device: driver, NVRTC)
+            log.info("autoragged: the mask graphs keep their Triton linears alone: %s", _cuda_if.why_not(device))
+            runtime.mask_rungs, rungs = False, ()
+        base = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
+        tokens = None
+        if rungs:
+            # with cuBLAS branches, a graph of this (B, width) whose rungs hold the expected tokens, or a new one for
+            # their bucket (`mask_tokens`, 2 per octave) with rungs centred on its geometric middle. Keyed by the
+            # bucket alone, a stream whose batches straddled two buckets captured a second graph mid-stream (HF
+            # bert-base, MNLI B=128: 4.2 ms a batch against 2.5; H200, 2026-11-26)
+            tokens = self.mask_covering(batch, width, tile_rows or 0, base)
+            if tokens is None:
+                tokens = mask_tokens(tile_rows or 0)
+            rungs = mask_rungs(int(tokens / 2**0.25), batch * width)
+        key = (*base, tokens)
+        pool = self.pool
+        make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, pool, tile_rows, rungs)  # noqa: E731
+        kind = "ragged/mask/rungs" if rungs else "ragged/mask/triton"
+        return self._get(key, make, device, kind, costs, 1 if trusted else None)
+
+    def mask_covering(self, batch: int, width: int, tokens: int, base: tuple | None = None) -> int | None:
+        """The tokens bucket of a kept ragged graph fed the mask, of `batch` rows and `width` columns (and key
+        `base`, where given), whose cuBLAS branches hold a batch of `tokens` rows; None where none does."""
+        for key, graph in self.graphs.items():
+            if key[0] != "ragged" or key[6] != "mask" or key[2] != batch or key[3] != width or key[8] is None:
+                continue
+            if (base is None or key[:8] == base) and graph.rungs is not None and graph.rungs.holds(tokens):
+                return key[8]
+        return None
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths", costs=None):
         self._check_params(runtime._parameters(module))

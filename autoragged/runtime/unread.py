@@ -167,6 +167,17 @@ class UnreadShapes:
             return None
         return plan.mask_arm
 
+    def _mask_graph_ms(self, predicted: dict[str, float], mask_arm: Arm) -> float:
+        """The prediction for the ragged graph fed the mask: its Triton linears' (the planner's, for
+        `mask_arm`), or, where its graphs hold cuBLAS branches on rungs of rows (`mask_rungs`: the batches of a
+        shape fill rows near the judged batch's, where the branches are), the cuBLAS graph's where that is
+        less (the same work on the same rung, the lengths counted on the device)."""
+        ms = predicted[mask_arm.label]
+        if self.mask_rungs:
+            cublas = Arm(mask_arm.kind, mask_arm.config.replace(backend="cublas")).label
+            ms = min(ms, predicted.get(cublas, ms))
+        return ms
+
     def _explores(self, device: torch.device) -> bool:
         """Whether close mask verdicts on `device` may be left to the probes (see _EXPLORE): probes run there
         (CUDA, sampling on) and its planner predicts from the analytic prior."""
@@ -198,7 +209,7 @@ class UnreadShapes:
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
         needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
         if mask_label in predicted:
-            unread[mask_label] = predicted[mask_label]
+            unread[mask_label] = self._mask_graph_ms(predicted, mask_arm)
         best = min(unread, key=unread.get) if unread else None
         read_ms = min(needs_lengths) + self.read_cost_ms if needs_lengths else None
         wins = best is not None and (read_ms is None or unread[best] <= read_ms)
@@ -210,7 +221,7 @@ class UnreadShapes:
             probe["paid"] += self.read_cost_ms  # this batch reads
             if (
                 explore and mask_label in predicted and len(probe["unread"]) < 2
-                and predicted[mask_label] <= read_ms * _EXPLORE and probe["paid"] >= _EXPLORE_AFTER_MS
+                and unread[mask_label] <= read_ms * _EXPLORE and probe["paid"] >= _EXPLORE_AFTER_MS
             ):  # fmt: skip
                 wins, best = True, mask_label  # close, from the prior: the probes time it and settle the shape
                 probe["explored"] = True
