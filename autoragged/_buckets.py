@@ -13,8 +13,8 @@ import math
 from .kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
 
 __all__ = [
-    "ladder", "ragged_bucket", "padded_bucket", "mask_width", "mask_rungs", "mask_tokens", "cublas_rows",
-    "LADDER_VERSION",
+    "ladder", "ragged_bucket", "padded_bucket", "mask_width", "mask_rungs", "mask_rungs_fit", "mask_tokens",
+    "cublas_rows", "LADDER_VERSION",
 ]  # fmt: skip
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
@@ -66,9 +66,19 @@ def mask_width(seq_len: int) -> int:
 # one's tokens, and ran its Triton branch; H200, 2026-11-26): coarser rungs, 4 per octave, cover the rest of the
 # capacity above and down to 0.6x, as many as fit in _MAX_RUNGS.
 _RUNG_LOW, _RUNG_HIGH, _FINE_RUNGS, _MAX_RUNGS, _COARSE_LOW = 0.85, 1.2, 4, 7, 0.6
+# no rungs for a graph of more rows than this: the branches' graphs share little memory, and HF bert-base's
+# RACE B=128 mask graph (65,536 rows) held 11.2 GB, after which its stream read its lengths and captured the read
+# path's graph mid-stream (cold after `warmup()` 1.39x the warm stream; H200, 2026-11-26). Its batches' work
+# dwarfs what the branches save there; the short rows, where they pay, fit in 16,384 rows up to B=128
+_RUNG_CAPACITY = 16384
 # below this share of the lowest rung the Triton branch does less work than cuBLAS on the whole rung (the
 # analytic prior's Triton linear runs at 0.7x cuBLAS's rate)
 _RUNG_FLOOR = 0.7
+
+
+def mask_rungs_fit(capacity: int) -> bool:
+    """Whether a ragged graph fed the mask of `capacity` rows (batch x mask width) gets cuBLAS branches."""
+    return capacity <= _RUNG_CAPACITY
 
 
 @functools.lru_cache(maxsize=4096)
@@ -79,8 +89,9 @@ def mask_rungs(tokens: int, capacity: int) -> tuple[tuple[int, int], ...]:
     0.85x to 1.2x `tokens` (at most 4), then coarse ones (4 per octave) up to the capacity and down to 0.6x
     `tokens`, alternately, at most 7 in all; none past the capacity (the capacity itself where the rungs would
     pass it). The lowest rung also takes batches down to 0.7x its rows (all of them at the ladder's floor).
-    Empty where no rung fits (`tokens` <= 0 or past the capacity): the graph has its Triton branch alone."""
-    if tokens <= 0 or tokens > capacity:
+    Empty where no rung fits (`tokens` <= 0 or past the capacity) or the capacity passes 16,384 rows: the graph
+    has its Triton branch alone."""
+    if tokens <= 0 or tokens > capacity or not mask_rungs_fit(capacity):
         return ()
     fine = functools.partial(ladder, floor=256, multiple=128, steps=8)
     coarse = functools.partial(ladder, floor=256, multiple=128, steps=4)

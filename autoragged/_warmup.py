@@ -214,7 +214,7 @@ def _warm_mask_graphs(module, runtime, groups, device) -> None:
         key = runtime._shape_key(B, L)
         kept = runtime.mask_shapes.get(key)
         arm = Arm("ragged_graph", graph_config(runtime.body.head_dim, L, "triton"))
-        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, sum(lengths))
+        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, sum(lengths), B * width)
         count = runtime.count
         try:
             args, kwargs = runtime.body.synthetic(lengths, L, device, mask=True)

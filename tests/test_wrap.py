@@ -430,8 +430,9 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
     key = rt._shape_key(8, 40)
     assert key == (8, 48) == rt._shape_key(8, 33) == rt._shape_key(8, 45) != rt._shape_key(8, 46)  # L's bucket
-    streak, arm, _, predicted, _, _, _, _ = rt.mask_shapes[key]
+    streak, arm, _, predicted, _, _, _, _, capacity = rt.mask_shapes[key]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
+    assert capacity == 8 * 48  # the rows of its mask graph: B x mask width
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
     assert rt.mask_shapes[key][0] == 0
     rt._judge_shape(8, 45, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
@@ -452,7 +453,7 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
     predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
     rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded, tokens, _, _, _ = rt.mask_shapes[rt._shape_key(8, 40)]
+    streak, chosen, _, recorded, tokens, _, _, _, _ = rt.mask_shapes[rt._shape_key(8, 40)]
     assert streak == 1 and chosen == mask_arm and recorded == predicted
     assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
     rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
@@ -484,6 +485,8 @@ def test_a_mask_graph_with_cublas_rungs_is_judged_as_the_cublas_graph():
     assert rt._mask_graph_ms(predicted, mask_arm) == 0.4
     assert rt._judge_shape(8, 40, predicted, mask_arm, 123)[:2] == [1, mask_arm]  # 0.4 <= 0.45: not read
     assert rt._mask_graph_ms({**predicted, mask_arm.label: 0.3}, mask_arm) == 0.3  # the lesser
+    assert rt._mask_graph_ms(predicted, mask_arm, 128 * 256) == 0.6  # a graph of more rows has no branches
+    assert rt._mask_graph_ms(predicted, mask_arm, 128 * 128) == 0.4
     del predicted[cublas.label]
     assert rt._mask_graph_ms(predicted, mask_arm) == 0.6  # no cuBLAS graph predicted: its own
 

@@ -144,7 +144,8 @@ class Runtime(UnreadShapes):
         #           "explored": trusted to be timed, not predicted to win (see unread._EXPLORE)},
         #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
         #           to it, the GraphCache generation it was seen in, the record's reason, the device key),
-        #           the record of the first unread batch since the last verdict (`_one_behind`) or None]
+        #           the record of the first unread batch since the last verdict (`_one_behind`) or None,
+        #           the rows of the shape's mask graph (B x mask width; 0: not known: `_mask_graph_ms`)]
         self.mask_shapes: dict[tuple[int, int], list] = {}
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
@@ -553,7 +554,7 @@ class Runtime(UnreadShapes):
         mine, stand_in = plan.predicted_ms.get(arm.label), shape[3]
         if plan.eager is None or mine is None or shape[1].label not in stand_in:
             return None
-        return plan.eager_ms, mine, self._mask_graph_ms(stand_in, shape[1])
+        return plan.eager_ms, mine, self._mask_graph_ms(stand_in, shape[1], shape[8])
 
     def _execute_graph(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, costs=None, min_seen=None):
         """(output, None) from a replayed graph, or (None, why it must run eagerly). min_seen: the sight of a

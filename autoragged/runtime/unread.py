@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .._buckets import padded_bucket
+from .._buckets import mask_rungs_fit, mask_width, padded_bucket
 from .._costmodel import PADDED, PADDED_GRAPH, Arm
 from .._device import device_key
 from .._planner import Plan
@@ -71,8 +71,11 @@ STOOD_IN = "the read path's graph for this bucket is not captured yet: the shape
 _WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
 
 
-def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0) -> list:
-    """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`."""
+def _shape_entry(
+    streak: int = 0, arm: Arm = PADDED, predicted: dict | None = None, tokens: int = 0, capacity: int = 0
+) -> list:
+    """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`; `capacity`:
+    the rows of its mask graph (B x mask width; 0: not known), which decide whether it has cuBLAS branches."""
     probe = {
         "read": [],
         "unread": [],
@@ -82,7 +85,7 @@ def _shape_entry(streak: int = 0, arm: Arm = PADDED, predicted: dict | None = No
         "paid": 0.0,
         "explored": False,
     }
-    return [streak, arm, 0, predicted or {}, tokens, probe, None, None]
+    return [streak, arm, 0, predicted or {}, tokens, probe, None, None, capacity]
 
 
 class UnreadShapes:
@@ -167,13 +170,14 @@ class UnreadShapes:
             return None
         return plan.mask_arm
 
-    def _mask_graph_ms(self, predicted: dict[str, float], mask_arm: Arm) -> float:
-        """The prediction for the ragged graph fed the mask: its Triton linears' (the planner's, for
-        `mask_arm`), or, where its graphs hold cuBLAS branches on rungs of rows (`mask_rungs`: the batches of a
-        shape fill rows near the judged batch's, where the branches are), the cuBLAS graph's where that is
-        less (the same work on the same rung, the lengths counted on the device)."""
+    def _mask_graph_ms(self, predicted: dict[str, float], mask_arm: Arm, capacity: int = 0) -> float:
+        """The prediction for the ragged graph fed the mask (of `capacity` rows; 0: not known): its Triton
+        linears' (the planner's, for `mask_arm`), or, where its graph holds cuBLAS branches on rungs of rows
+        (`mask_rungs`, a capacity `mask_rungs_fit` takes: the batches of a shape fill rows near the judged
+        batch's, where the branches are), the cuBLAS graph's where that is less (the same work on the same
+        rung, the lengths counted on the device)."""
         ms = predicted[mask_arm.label]
-        if self.mask_rungs:
+        if self.mask_rungs and mask_rungs_fit(capacity):
             cublas = Arm(mask_arm.kind, mask_arm.config.replace(backend="cublas")).label
             ms = min(ms, predicted.get(cublas, ms))
         return ms
@@ -195,7 +199,7 @@ class UnreadShapes:
         key = self._shape_key(B, L)
         if len(self.mask_shapes) >= _MAX_SHAPES and key not in self.mask_shapes:
             self.mask_shapes.clear()
-        entry = self.mask_shapes.get(key) or self.mask_shapes.setdefault(key, _shape_entry())
+        entry = self.mask_shapes.get(key) or self.mask_shapes.setdefault(key, _shape_entry(capacity=B * mask_width(L)))
         return self._judge_entry(entry, predicted, mask_arm, tokens, explore)
 
     def _judge_entry(
@@ -209,7 +213,7 @@ class UnreadShapes:
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
         needs_lengths = [v for k, v in predicted.items() if k not in unread and k != mask_label]
         if mask_label in predicted:
-            unread[mask_label] = self._mask_graph_ms(predicted, mask_arm)
+            unread[mask_label] = self._mask_graph_ms(predicted, mask_arm, entry[8])
         best = min(unread, key=unread.get) if unread else None
         read_ms = min(needs_lengths) + self.read_cost_ms if needs_lengths else None
         wins = best is not None and (read_ms is None or unread[best] <= read_ms)
