@@ -68,7 +68,9 @@ def test_graphs_captured_while_the_gpu_is_busy_replay_like_eager(monkeypatch, dr
             tol = 1e-2 if graph_arm == PADDED_GRAPH else 2e-3
             torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=tol, atol=tol)
     cache = enc._autoragged.graphs
-    assert cache.budget_bytes > 0 and all(g.nbytes > 0 for g in cache.graphs.values())
+    # (a capture may take blocks the pool holds already and free others meanwhile: its own bytes can count 0)
+    assert cache.budget_bytes > 0 and all(g.nbytes >= 0 for g in cache.graphs.values())
+    assert any(g.nbytes > 0 for g in cache.graphs.values())
     assert cache.kept_bytes == sum(g.nbytes for g in cache.graphs.values())
 
 
