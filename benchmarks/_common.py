@@ -53,6 +53,21 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
 
 
+def gpu_ms(fn, n: int = 200, warmup: int = 5) -> float:
+    """ms a call of `fn` queued back to back: n calls, no sync between them, timed by CUDA events, divided by n
+    (the GPU's time where the host keeps ahead of it, else the host's)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def matmul_peak_tflops(dtype=torch.float16, n: int = 8192, shape: tuple[int, int, int] | None = None) -> float:
     """Measured dense matmul rate (random data, n x n x n, or (m, k, n) = `shape`), the yardstick for 'share of
     peak' (a model's own product shape gives its roofline)."""

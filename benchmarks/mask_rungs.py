@@ -36,21 +36,8 @@ from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import graph_config  # noqa: E402
 from autoragged.runtime import core  # noqa: E402
 from autoragged.workloads import HF_SHAPES, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import environment, gpu_ms, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.hf_table import batch_of, build  # noqa: E402
-
-
-def back_to_back_ms(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def mask_graph(plain, ids, mask, lengths, rungs: bool, reps: int) -> dict:
@@ -63,7 +50,7 @@ def mask_graph(plain, ids, mask, lengths, rungs: bool, reps: int) -> dict:
     arm = Arm("ragged_graph", graph_config(rt.body.head_dim, max(lengths), "triton"))
     rt.mask_shapes[rt._shape_key(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, sum(lengths))
     fn = lambda: m(input_ids=ids, attention_mask=mask)  # noqa: E731
-    out = {"ms": time_ms(fn, ids.device, warmup=3, reps=reps).median_ms, "stream_ms": back_to_back_ms(fn)}
+    out = {"ms": time_ms(fn, ids.device, warmup=3, reps=reps).median_ms, "stream_ms": gpu_ms(fn, 20, 3)}
     graph = next(g for k, g in rt.graphs.graphs.items() if k[0] == "ragged" and k[6] == "mask")
     out.update(capture_ms=graph.capture_ms, graph_mb=graph.nbytes / 2**20)
     if graph.rungs is not None:
@@ -90,7 +77,7 @@ def bench_row(spec: str, plain, runner, device, reps: int) -> dict:
                 a, runner.hf_call({"input_ids": ids, "attention_mask": mask}), tuple(lengths), stats
             )
             row[f"lengths_{backend}"] = time_ms(call, device, warmup=3, reps=reps).median_ms
-            row[f"lengths_{backend}_stream"] = back_to_back_ms(call)
+            row[f"lengths_{backend}_stream"] = gpu_ms(call, 20, 3)
     row["rungs_vs_cublas"] = row["mask_rungs"] / row["lengths_cublas"]
     row["rungs_vs_cublas_stream"] = row["mask_rungs_stream"] / row["lengths_cublas_stream"]
     row["triton_vs_cublas"] = row["mask_triton"] / row["lengths_cublas"]

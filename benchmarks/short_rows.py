@@ -48,7 +48,7 @@ from autoragged._measure import ArmRunner, time_ms  # noqa: E402
 from autoragged._planner import Planner, default_ragged_config, graph_config  # noqa: E402
 from autoragged.adapters.torch_encoder import TorchCall  # noqa: E402
 from autoragged.workloads import CORA, CORA_MODEL, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks._common import environment, gpu_ms, header, require_cuda, table, write_json  # noqa: E402
 from benchmarks.cora_table import VarlenEncoder, build_model, graphed, varlen_inputs  # noqa: E402
 
 SHORT = ("CoLA", "MRPC", "MNLI", "XNLI")
@@ -61,20 +61,6 @@ class _PreferLast:
 
     def predict_ms(self, sig, stats, arms):
         return np.arange(len(arms), 0, -1, dtype=float)
-
-
-def gpu_ms(replay, n: int = 200) -> float:
-    """GPU time of one replay: n replays queued back to back, timed by events, divided by n."""
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def host_us(fn, n: int = 200) -> float:

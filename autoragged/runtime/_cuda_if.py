@@ -162,7 +162,7 @@ def _kernel(index: int) -> ctypes.c_void_p:
         ptx = _compile(f"compute_{major}{minor}")
         drv = _driver()
         with torch.cuda.device(index):
-            torch.cuda.synchronize(index)  # (makes the device's primary context current on this thread)
+            torch.cuda.mem_get_info(index)  # (makes the device's primary context current here; no sync)
             module, fn = ctypes.c_void_p(), ctypes.c_void_p()
             _check(drv.cuModuleLoadData(ctypes.byref(module), ptx), "cuModuleLoadData")
             _check(drv.cuModuleGetFunction(ctypes.byref(fn), module, b"autoragged_pick_branch"), "cuModuleGetFunction")
