@@ -162,7 +162,9 @@ def _kernel(index: int) -> ctypes.c_void_p:
         ptx = _compile(f"compute_{major}{minor}")
         drv = _driver()
         with torch.cuda.device(index):
-            torch.cuda.mem_get_info(index)  # (makes the device's primary context current here; no sync)
+            # makes the device's primary context current on this thread (once a device, at the first capture with
+            # branches: off the hot path)
+            torch.cuda.synchronize(index)
             module, fn = ctypes.c_void_p(), ctypes.c_void_p()
             _check(drv.cuModuleLoadData(ctypes.byref(module), ptx), "cuModuleLoadData")
             _check(drv.cuModuleGetFunction(ctypes.byref(fn), module, b"autoragged_pick_branch"), "cuModuleGetFunction")
