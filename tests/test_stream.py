@@ -127,6 +127,48 @@ def test_a_trusted_shapes_mask_graph_is_captured_at_its_first_sight(fake_device,
     assert isinstance(graph, _Fake) and note is None and len(cache.graphs) == 1 and len(cache.seen) == 2
 
 
+def test_mask_graphs_with_branches_are_found_by_the_tokens_their_rungs_hold(fake_device, monkeypatch):
+    """With cuBLAS branches (runtime/capture.py, `_Rungs`), a mask graph of (B, width) serves the batches whose
+    expected tokens its rungs hold; others get a graph for their tokens bucket (`mask_tokens`), as another source
+    of the same shapes would. Past 16,384 rows, or where the device cannot take the SWITCH node (`why_not`), the
+    graph has its Triton linears alone, keyed as before."""
+    from autoragged.kernels import KernelConfig
+
+    from autoragged import _buckets
+    from autoragged.runtime import _cuda_if
+    from autoragged.runtime.capture import _Rungs
+
+    made = []
+
+    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=()):
+        made.append(rungs)
+        graph = _Fake()
+        graph.rungs = _Rungs(rungs, "cpu") if rungs else None
+        return graph
+
+    monkeypatch.setattr(_graphs, "_RaggedGraph", fake_graph)
+    monkeypatch.setattr(_cuda_if, "why_not", lambda device: None)
+    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=True)
+    config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
+    cache = _graphs.GraphCache()
+
+    def lookup(B, L, tokens):
+        return cache.ragged_mask(runtime, None, config, False, B, L, torch.float16, "cuda", tokens, trusted=True)[0]
+
+    first = lookup(32, 109, 1339)  # 32 x 128 rows, tokens bucket 1,536
+    assert first.rungs.holds(1339) and first.key[8] == _buckets.mask_tokens(1339) == 1536
+    assert made[0] == _buckets.mask_rungs(int(1536 / 2**0.25), 32 * 128)
+    assert lookup(32, 120, 1700) is first and first.rungs.holds(1700)  # another bucket's tokens, held: the same graph
+    other = lookup(32, 128, 3600)  # Wiki128's: none of its rungs holds them
+    assert other is not first and other.key[8] == _buckets.mask_tokens(3600) and len(cache.graphs) == 2
+    assert lookup(32, 128, 3500) is other
+    wide = lookup(128, 300, 20_000)  # 128 x 384 rows: past 16,384, the Triton branch alone
+    assert wide.rungs is None and wide.key[8] is None
+    monkeypatch.setattr(_cuda_if, "why_not", lambda device: "RuntimeError: no SWITCH nodes here")
+    plain = lookup(64, 30, 861)
+    assert plain.rungs is None and plain.key[8] is None and runtime.mask_rungs is False
+
+
 def test_a_rare_bucket_waits_while_a_frequent_one_is_captured_at_once(fake_device):
     cache = _graphs.GraphCache()
     seen = {"often": [], "rare": []}
