@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._buckets import cublas_rows, mask_width
+from ._buckets import cublas_rows, mask_rungs, mask_tokens, mask_width
 from ._layout import Layout
 from ._planner import default_ragged_config
 from .kernels._ahead import drain as drain_ahead
@@ -189,7 +189,8 @@ def _warm_mask_graphs(module, runtime, groups, device) -> None:
     the stream (28-36 ms, 1.20-1.26x the warm stream; HF bert-base, H200, 2026-11-26,
     `stream_table_fresh_bert_cola128_buckets_h200.json`). These runs leave no other trace: the batch counter
     that picks the sampled batches is put back too (their shift had an explored padded batch, 50 ms, fall into
-    a stream that had none). Only on a GPU, where the planner chooses."""
+    a stream that had none). Widest first: a graph serves batches up to 2x narrower (`GraphCache.mask_serving`).
+    Only on a GPU, where the planner chooses."""
     from ._costmodel import Arm
     from ._planner import graph_config
     from .runtime.unread import _shape_entry
@@ -197,24 +198,27 @@ def _warm_mask_graphs(module, runtime, groups, device) -> None:
     cache = runtime.graphs
     if device.type != "cuda" or cache is None or runtime.policy != "auto" or runtime.static_reason:
         return
-    have = {(k[2], k[3]) for k in cache.graphs if k[0] == "ragged" and k[6] == "mask"}  # (batch, width)
-    sizes = {b for b, _ in have}
+    sizes = {k[2] for k in cache.graphs if k[0] == "ragged" and k[6] == "mask"}  # batch sizes with mask graphs
+    have: set[tuple] = set()  # (batch, width, tokens bucket) run here
     limit = getattr(runtime.body, "max_tokens", None)
-    for lengths in groups:
-        lengths = [min(n, limit) for n in lengths] if limit is not None else lengths
+    clipped = [[min(n, limit) for n in lengths] if limit is not None else lengths for lengths in groups]
+    for lengths in sorted(clipped, key=max, reverse=True):  # widest first: a graph serves narrower batches too
         B, L = len(lengths), max(max(lengths), 1)
         width = mask_width(L)
         if B not in sizes:
             continue
-        # kept: a graph of (B, width), with cuBLAS branches (runtime.mask_rungs) one whose rungs hold the batch's
-        # tokens (GraphCache.ragged_mask captures another for them, as traffic would)
-        if (B, width) in have and (not runtime.mask_rungs or cache.mask_covering(B, width, sum(lengths)) is not None):
+        # kept: a graph that serves the batch (GraphCache.mask_serving: of this width or up to 2x wider, with
+        # cuBLAS branches one whose rungs hold its tokens); else GraphCache.ragged_mask captures one, as traffic would
+        tokens = sum(lengths)
+        rungs = runtime.mask_rungs and bool(mask_rungs(tokens, B * width))
+        tried = (B, width, mask_tokens(tokens) if rungs else None)
+        if tried in have or cache.mask_serving(B, width, tokens, rungs) is not None:
             continue
-        have.add((B, width))
+        have.add(tried)
         key = runtime._shape_key(B, L)
         kept = runtime.mask_shapes.get(key)
         arm = Arm("ragged_graph", graph_config(runtime.body.head_dim, L, "triton"))
-        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, sum(lengths), B * width)
+        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, tokens, B * width, (B, width))
         count = runtime.count
         try:
             args, kwargs = runtime.body.synthetic(lengths, L, device, mask=True)

@@ -164,9 +164,50 @@ def test_mask_graphs_with_branches_are_found_by_the_tokens_their_rungs_hold(fake
     assert lookup(32, 128, 3500) is other
     wide = lookup(128, 300, 20_000)  # 128 x 384 rows: past 16,384, the Triton branch alone
     assert wide.rungs is None and wide.key[8] is None
+    # a narrower batch runs on a kept graph up to 2x its width (the layers stop at the counted rows): no capture
+    width = _buckets.mask_width
+    assert width(80) == 96 and lookup(32, 80, 1339) is first and width(60) == 64 and lookup(32, 60, 1339) is first
+    narrow = lookup(32, 80, 600)  # its tokens in no rung of the wider graphs: a graph of its own width
+    assert narrow not in (first, other) and narrow.key[3] == 96 and narrow.rungs.holds(600)
+    assert lookup(32, 70, 600) is narrow  # the narrowest graph that serves
+    assert width(30) == 32 and lookup(32, 30, 900).key[3] == 32  # 96 columns for a 32-wide bucket: past 2x
+    assert lookup(128, 250, 20_000) is wide and len(cache.graphs) == 5  # (256 columns' bucket, no branches wanted)
     monkeypatch.setattr(_cuda_if, "why_not", lambda device: "RuntimeError: no SWITCH nodes here")
     plain = lookup(64, 30, 861)
     assert plain.rungs is None and plain.key[8] is None and runtime.mask_rungs is False
+
+
+def test_a_new_mask_graph_is_as_wide_as_its_batch_sizes_shapes_reach(fake_device, monkeypatch):
+    """A new mask graph takes the widest length bucket the batch size's mask-only shapes have reached (up to 2x
+    its own, and within the rows that keep cuBLAS branches): those batches then replay it, no capture mid-stream."""
+    from autoragged.kernels import KernelConfig
+
+    from autoragged import _buckets
+    from autoragged.runtime import _cuda_if
+    from autoragged.runtime.capture import _Rungs
+
+    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=()):
+        graph = _Fake()
+        graph.rungs = _Rungs(rungs, "cpu") if rungs else None
+        return graph
+
+    monkeypatch.setattr(_graphs, "_RaggedGraph", fake_graph)
+    monkeypatch.setattr(_cuda_if, "why_not", lambda device: None)
+    shapes = {(32, 480): None, (32, 336): None, (40, 512): None, (32, 1024): None}  # (B, the padded bucket's L)
+    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=True, mask_shapes=shapes)
+    config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
+    cache = _graphs.GraphCache()
+
+    def lookup(B, L, tokens):
+        return cache.ragged_mask(runtime, None, config, False, B, L, torch.float16, "cuda", tokens, trusted=True)[0]
+
+    width = _buckets.mask_width
+    assert (width(300), width(480), width(1024)) == (368, 512, 1024)
+    graph = lookup(32, 300, 9000)
+    assert graph.key[3] == 512 and graph.rungs.holds(9000)  # 1,024 is past 2x 368
+    assert lookup(32, 500, 9500) is graph and len(cache.graphs) == 1
+    assert lookup(16, 300, 3000).key[3] == 368  # no shapes of B=16: its own width
+    assert lookup(40, 300, 12000).key[3] == 368  # 40 x 512 rows would lose the branches (40 x 368 keep them)
 
 
 def test_a_rare_bucket_waits_while_a_frequent_one_is_captured_at_once(fake_device):

@@ -194,8 +194,9 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
 
 def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one():
     """`_warm_mask_graphs`: a batch size with a mask graph kept gets one for each other length bucket its warm
-    batches reached, whatever the verdicts of their shapes; the shapes' verdicts and the batch counter are put
-    back (a new shape is judged by traffic); the output stays the model's."""
+    batches reached that no kept graph serves (up to 2x wider), whatever the verdicts of their shapes; the
+    shapes' verdicts and the batch counter are put back (a new shape is judged by traffic); the output stays
+    the model's."""
     from autoragged import _warmup
     from autoragged._buckets import mask_width
 
@@ -211,12 +212,14 @@ def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_t
         widths = {k[3] for k in rt.graphs.graphs if k[6] == "mask"}
         assert widths == {mask_width(60)} == {64}
         count = rt.count
-        _warmup._warm_mask_graphs(enc, rt, [[20, 5, 9, 3], [9, 9], [61, 2, 2, 2]], torch.device("cuda"))
+        groups = [[20, 5, 9, 3], [9, 9], [61, 2, 2, 2], [9, 5, 3, 2]]
+        _warmup._warm_mask_graphs(enc, rt, groups, torch.device("cuda"))
         assert rt.count == count  # (the sampled batches are where they were)
         widths = {(k[2], k[3]) for k in rt.graphs.graphs if k[6] == "mask"}
-        assert widths == {(4, 64), (4, 32)}  # not for batch size 2 (none kept), nothing new for 64
-        assert rt._shape_key(4, 20) not in rt.mask_shapes and rt.mask_shapes[key][0] == dispatch._TRUST
-        x, mask = batch([20, 5, 9, 3])
+        # not for batch size 2 (none kept), nor for widths 64 and 32 (the graph of 64 serves both)
+        assert (mask_width(20), mask_width(9)) == (32, 16) and widths == {(4, 64), (4, 16)}
+        assert rt._shape_key(4, 9) not in rt.mask_shapes and rt.mask_shapes[key][0] == dispatch._TRUST
+        x, mask = batch([9, 5, 3, 2])
         y = enc(x, src_key_padding_mask=mask)
         want = rt.body.base.forward(enc, x, None, mask, None)
     torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)

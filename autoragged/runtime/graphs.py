@@ -417,31 +417,55 @@ class GraphCache:
             log.info("autoragged: the mask graphs keep their Triton linears alone: %s", _cuda_if.why_not(device))
             runtime.mask_rungs, rungs = False, ()
         base = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
-        tokens = None
-        if rungs:
-            # with cuBLAS branches, a graph of this (B, width) whose rungs hold the expected tokens, or a new one for
-            # their bucket (`mask_tokens`, 2 per octave) with rungs centred on its geometric middle. Keyed by the
-            # bucket alone, a stream whose batches straddled two buckets captured a second graph mid-stream (HF
-            # bert-base, MNLI B=128: 4.2 ms a batch against 2.5; H200, 2026-11-26)
-            tokens = self.mask_covering(batch, width, tile_rows or 0, base)
-            if tokens is None:
+        # a kept graph that serves the batch: of this width or a wider one (up to 2x: the layers stop at the
+        # counted rows, the spare columns cost the embedding step's few microseconds), with cuBLAS branches one
+        # whose rungs hold the expected tokens. Captured per width alone, a stream whose batches straddled two
+        # widths captured the narrower one mid-stream, 83-111 ms with its branches (HF bert-base, MNLI and MRPC
+        # B=64 at width 96 beside 128: 3.2 ms a batch against 1.6-2.0 with lengths=; H100, 2026-11-26)
+        key = self.mask_serving(batch, width, tile_rows or 0, bool(rungs), base)
+        if key is None:
+            # a new graph: as wide as the widest length bucket this batch size's mask-only batches have reached (up
+            # to 2x, and within the rows that keep the branches), so that it serves them too. SQuAD B=32's stream met
+            # width 512 after its warm-up had captured 368: another capture, 164 ms of a 64-batch stream (HF
+            # bert-base; H100, 2026-11-26)
+            widths = (mask_width(k[1]) for k in getattr(runtime, "mask_shapes", ()) if k[0] == batch)
+            wide = max((w for w in widths if w <= 2 * width), default=width)
+            if wide > width and (not rungs or mask_rungs(tile_rows or 0, batch * wide)):
+                width = wide
+                base = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
+            tokens = None
+            if rungs:
+                # a new graph for the tokens' bucket (`mask_tokens`, 2 per octave), rungs centred on its geometric
+                # middle. Keyed by the bucket alone, a stream whose batches straddled two buckets captured a second
+                # graph mid-stream (HF bert-base, MNLI B=128: 4.2 ms a batch against 2.5; H200, 2026-11-26)
                 tokens = mask_tokens(tile_rows or 0)
-            rungs = mask_rungs(int(tokens / 2**0.25), batch * width)
-        key = (*base, tokens)
+                rungs = mask_rungs(int(tokens / 2**0.25), batch * width)
+            key = (*base, tokens)
+        else:
+            rungs = ()  # (a kept graph: nothing to make)
         pool = self.pool
         make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, pool, tile_rows, rungs)  # noqa: E731
         kind = "ragged/mask/rungs" if rungs else "ragged/mask/triton"
         return self._get(key, make, device, kind, costs, 1 if trusted else None)
 
-    def mask_covering(self, batch: int, width: int, tokens: int, base: tuple | None = None) -> int | None:
-        """The tokens bucket of a kept ragged graph fed the mask, of `batch` rows and `width` columns (and key
-        `base`, where given), whose cuBLAS branches hold a batch of `tokens` rows; None where none does."""
+    def mask_serving(self, batch: int, width: int, tokens: int, rungs: bool, base: tuple | None = None):
+        """The key of a kept ragged graph fed the mask that serves a batch of `batch` rows, `width` columns (its
+        `mask_width`) and about `tokens` real tokens, or None: one of `width` to 2x `width` columns (the narrowest;
+        of key `base` first, where given: its config and inputs), which with `rungs` (cuBLAS branches wanted)
+        must have rungs that hold `tokens`. Without `base`, any causality, config and inputs (`autoragged.warmup`
+        asks whether traffic would capture)."""
+        best = None
         for key, graph in self.graphs.items():
-            if key[0] != "ragged" or key[6] != "mask" or key[2] != batch or key[3] != width or key[8] is None:
+            if key[0] != "ragged" or key[6] != "mask" or key[2] != batch or not width <= key[3] <= 2 * width:
                 continue
-            if (base is None or key[:8] == base) and graph.rungs is not None and graph.rungs.holds(tokens):
-                return key[8]
-        return None
+            if base is not None and (key[5] != base[5] or key[7] != base[7]):
+                continue
+            if rungs and (graph.rungs is None or not graph.rungs.holds(tokens)):
+                continue
+            rank = (key[3], base is None or key[:8] != base)
+            if best is None or rank < best[0]:
+                best = (rank, key)
+        return best[1] if best is not None else None
 
     def padded(self, runtime, module, batch, seq_len, dtype, device, io="lengths", costs=None):
         self._check_params(runtime._parameters(module))
