@@ -430,9 +430,9 @@ def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.7, "ragged:a": 0.65})
     key = rt._shape_key(8, 40)
     assert key == (8, 48) == rt._shape_key(8, 33) == rt._shape_key(8, 45) != rt._shape_key(8, 46)  # L's bucket
-    streak, arm, _, predicted, _, _, _, _, capacity = rt.mask_shapes[key]
+    streak, arm, _, predicted, _, _, _, _, capacity, bucket = rt.mask_shapes[key]
     assert streak == 2 and arm.kind == "padded_graph" and predicted["ragged:a"] == 0.65
-    assert capacity == 8 * 48  # the rows of its mask graph: B x mask width
+    assert capacity == 8 * 48 and bucket == (8, 48)  # the rows of its mask graph: B x mask width; (B, mask width)
     rt._judge_shape(8, 40, {"padded": 1.0, "padded_graph": 0.9, "ragged:a": 0.65})  # ragged wins by more
     assert rt.mask_shapes[key][0] == 0
     rt._judge_shape(8, 45, {"padded": 0.5, "padded_graph": 0.9, "ragged:a": 0.65})
@@ -453,7 +453,7 @@ def test_a_shape_may_be_judged_for_the_ragged_graph_fed_the_mask():
     cublas = Arm("ragged_graph", graph_config(16, 40, "cublas"))
     predicted = {"padded": 1.0, "padded_graph": 0.9, cublas.label: 0.4, mask_arm.label: 0.45}
     rt._judge_shape(8, 40, predicted, mask_arm, 123)  # 0.45 <= 0.4 + 0.1: worth not reading
-    streak, chosen, _, recorded, tokens, _, _, _, _ = rt.mask_shapes[rt._shape_key(8, 40)]
+    streak, chosen, _, recorded, tokens, _, _, _, _, _ = rt.mask_shapes[rt._shape_key(8, 40)]
     assert streak == 1 and chosen == mask_arm and recorded == predicted
     assert tokens == 123  # the mask graph's linears pick their tiles for the judged batch's tokens
     rt._judge_shape(8, 40, {**predicted, mask_arm.label: 0.6}, mask_arm)  # the read is cheaper
@@ -529,6 +529,59 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     cpu = torch.device("cpu")
     rt._plan(cpu, autoragged.tuning_db.BatchStats.from_lengths((40, 20)), None)
     assert rt.planners[cpu].model.name == "prior" and not rt._explores(cpu)  # no probes on a CPU
+
+
+def test_a_mask_graph_timed_slower_on_one_shape_loses_its_buckets_other_shapes():
+    """The probes that find a shape's mask graph slower than its read path (plus the read) take the mask graph
+    from every shape of its (B, mask width) bucket (the same graph, batches of like sizes), present and to come;
+    the shapes of other buckets keep their verdicts."""
+    from autoragged._buckets import mask_width
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+
+    rt = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
+    rt.sync_samples.append(0.1)
+    mask_arm = Arm("ragged_graph", graph_config(16, 170, "triton"))
+    cublas = Arm("ragged_graph", graph_config(16, 170, "cublas"))
+    wins = {"padded": 2.0, cublas.label: 0.4, mask_arm.label: 0.3}  # the read path: 0.4 + a 0.1 read
+    assert mask_width(140) == mask_width(160) == mask_width(180) == 192 and mask_width(100) == 128
+    assert len({rt._shape_key(8, L) for L in (140, 160, 180)}) == 3  # three shapes of one bucket
+    first, sibling, other = (rt._judge_shape(8, L, wins, mask_arm) for L in (140, 160, 100))
+    assert [e[:2] for e in (first, sibling, other)] == [[1, mask_arm]] * 3
+    first[5]["unread"] += [0.6, 0.55]
+    rt._probe_result(first[5], 8, 140, "read", 0.4)  # 0.55 > 0.4 + 0.1
+    assert first[5]["lost"] and rt.mask_lost == {(8, 192)} and not sibling[5]["lost"]
+    assert rt._judge_shape(8, 160, wins, mask_arm)[0] == 0  # its sibling reads from its next verdict on
+    assert rt._judge_shape(8, 180, wins, mask_arm)[0] == 0  # and so does a shape of the bucket seen later
+    assert rt._judge_shape(8, 100, wins, mask_arm)[:2] == [2, mask_arm]  # another bucket: as it was
+
+
+def test_a_new_shape_is_trusted_at_its_first_verdict_where_its_buckets_mask_graph_was_timed_faster():
+    """A shape's first verdict for the mask graph trusts it (no second read) where a trusted shape of its bucket,
+    or of one up to 2x wider (its graph serves the batch), had the mask graph timed faster than its read path;
+    before that timing, or further off, it takes two verdicts as ever."""
+    from autoragged._buckets import mask_width
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+
+    rt = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
+    rt.sync_samples.append(0.1)
+    mask_arm = Arm("ragged_graph", graph_config(16, 170, "triton"))
+    cublas = Arm("ragged_graph", graph_config(16, 170, "cublas"))
+    wins = {"padded": 2.0, cublas.label: 0.4, mask_arm.label: 0.3}
+    assert (mask_width(140), mask_width(100), mask_width(60)) == (192, 128, 64)
+    rt._judge_shape(8, 140, wins, mask_arm)
+    first = rt._judge_shape(8, 140, wins, mask_arm)
+    assert first[0] == rt.trust and rt._judge_shape(8, 160, wins, mask_arm)[0] == 1  # trusted, not timed yet
+    first[5]["unread"] += [0.3, 0.32]
+    rt._probe_result(first[5], 8, 140, "read", 0.4)  # 0.3 <= 0.4 + 0.1
+    assert first[5]["confirmed"] and not first[5]["lost"]
+    assert rt._judge_shape(8, 180, wins, mask_arm)[0] == rt.trust  # a new shape of the bucket: trusted at once
+    assert rt._judge_shape(8, 100, wins, mask_arm)[0] == rt.trust  # width 128: the 192 graph serves it
+    assert rt._judge_shape(8, 60, wins, mask_arm)[0] == 1  # width 64: past 2x
+    assert rt._judge_shape(4, 140, wins, mask_arm)[0] == 1  # another batch size
+    lose = {**wins, mask_arm.label: 0.6}
+    assert rt._judge_shape(8, 120, lose, mask_arm)[0] == 0  # its own verdict still decides
 
 
 def test_the_mask_graph_stays_one_arm_for_a_shape_whose_batches_straddle_an_attention_tile():
