@@ -1,6 +1,6 @@
 """What the runtime did with each batch of a stream of mask-only batches, and why (a diagnostic).
 
-    python benchmarks/verdict_trace.py --rows CoLA:128 MNLI:128 [--models bert-base]
+    python benchmarks/verdict_trace.py --rows CoLA:128 MNLI:128 [--models bert-base | cora]
 
 For each row, the stream of `benchmarks/stream_table.py` (the same seeds: 24 warm-up batches, then 64 timed ones
 back to back) runs on a fresh `autoragged.wrap(model)` called with the mask, and per timed batch it logs the
@@ -31,7 +31,15 @@ import autoragged  # noqa: E402
 from autoragged.runtime import core, unread  # noqa: E402
 from autoragged.workloads import HF_SHAPES  # noqa: E402
 from benchmarks._common import environment, write_json  # noqa: E402
-from benchmarks.stream_table import _graph_totals, _what_ran, build_hf, make_batches, run_stream  # noqa: E402
+from benchmarks.stream_table import (  # noqa: E402
+    _caller,
+    _graph_totals,
+    _what_ran,
+    build_cora,
+    build_hf,
+    make_batches,
+    run_stream,
+)
 
 TRACE: dict = {"calls": [], "verdicts": []}
 
@@ -97,16 +105,15 @@ def _read_cost(value: float | None):
         unread.UnreadShapes.read_cost_ms = original
 
 
-def traced_stream(model, batches, lengths: bool) -> list[dict]:
+def traced_stream(model, batches, hf: bool) -> list[dict]:
+    """The batches, mask-only, one by one: per call its path, host ms and captures."""
     calls = []
+    call = _caller(model, hf)
     for b in batches:
         TRACE["path"] = "?"
         before = _graph_totals(model)["captures"]
         t0 = time.perf_counter()
-        if lengths:
-            model(input_ids=b.x, lengths=b.lengths)
-        else:
-            model(input_ids=b.x, attention_mask=b.mask)
+        call(b)
         host = (time.perf_counter() - t0) * 1e3
         calls.append({"path": TRACE["path"], "host_ms": round(host, 3), "max_len": b.stats.max_len,
                       "total": b.stats.total, "captured": _graph_totals(model)["captures"] - before})  # fmt: skip
@@ -114,24 +121,21 @@ def traced_stream(model, batches, lengths: bool) -> list[dict]:
     return calls
 
 
-def _caller(model, lengths: bool):
-    if lengths:
-        return lambda b: model(input_ids=b.x, lengths=b.lengths)
-    return lambda b: model(input_ids=b.x, attention_mask=b.mask)
-
-
 def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: int = 64) -> dict:
-    cfg = plain.config
+    hf = hasattr(plain, "config")  # else the CoRa encoder (nn.TransformerEncoder)
+    family = "hf" if hf else "cora"
+    width = plain.config.hidden_size if hf else plain.layers[0].self_attn.embed_dim
+    vocab = plain.config.vocab_size if hf else 0
     seed = sum(map(ord, dataset)) * 1000 + batch
     dtype = next(plain.parameters()).dtype
-    warm = make_batches("hf", dataset, batch, n_warm, seed, device, cfg.hidden_size, dtype, cfg.vocab_size)
-    timed = make_batches("hf", dataset, batch, n_timed, seed + 1, device, cfg.hidden_size, dtype, cfg.vocab_size)
+    warm = make_batches(family, dataset, batch, n_warm, seed, device, width, dtype, vocab)
+    timed = make_batches(family, dataset, batch, n_timed, seed + 1, device, width, dtype, vocab)
     row: dict = {"dataset": dataset, "batch": batch}
     for col, cost, lengths in (("auto", None, False), ("always_mask", float("inf"), False),
                                ("always_read", float("-inf"), False), ("auto_lengths", None, True)):  # fmt: skip
         model = autoragged.wrap(copy.deepcopy(plain), db=False)
         with torch.inference_mode(), _read_cost(cost):
-            call = _caller(model, lengths)
+            call = _caller(model, hf, lengths)
             for b in warm:
                 call(b)
             before = _graph_totals(model)
@@ -141,10 +145,10 @@ def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: 
             # the same stream again, call by call, for the trace (its graphs now captured: a second pass)
             if col == "auto":
                 fresh = autoragged.wrap(copy.deepcopy(plain), db=False)
-                call2 = _caller(fresh, False)
+                call2 = _caller(fresh, hf)
                 for b in warm:
                     call2(b)
-                calls = traced_stream(fresh, timed, False)
+                calls = traced_stream(fresh, timed, hf)
                 row["trace"] = {"calls": calls, "verdicts": TRACE["verdicts"]}
                 del fresh
         row[col] = {"ms": round(1e3 * seconds / len(timed), 4), "captures": after["captures"] - before["captures"],
@@ -167,7 +171,8 @@ def _row(spec: str) -> tuple[str, int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", type=_row, default=[("CoLA", 128), ("MNLI", 128)], help="DATASET:B")
-    p.add_argument("--models", default="bert-base", choices=list(HF_SHAPES), help="an HF shape (the stream's model)")
+    p.add_argument("--models", default="bert-base", choices=["cora", *HF_SHAPES],
+                   help="an HF shape, or cora (the CoRa encoder): the stream's model")  # fmt: skip
     p.add_argument("--warm", type=int, default=24, help="warm-up batches (default 24, as stream_table.py)")
     p.add_argument("--batches", type=int, default=64, help="timed batches (default 64, as stream_table.py)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="JSON path (default benchmarks/results/verdict_trace.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    plain = build_hf(args.models, device, tiny=args.tiny)
+    plain = build_cora(device, args.tiny) if args.models == "cora" else build_hf(args.models, device, tiny=args.tiny)
     rows = []
     for dataset, b in args.rows:
         with _patched():
