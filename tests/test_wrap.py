@@ -556,10 +556,11 @@ def test_a_mask_graph_timed_slower_on_one_shape_loses_its_buckets_other_shapes()
     assert rt._judge_shape(8, 100, wins, mask_arm)[:2] == [2, mask_arm]  # another bucket: as it was
 
 
-def test_a_new_shape_is_trusted_at_its_first_verdict_where_its_buckets_mask_graph_was_timed_faster():
-    """A shape's first verdict for the mask graph trusts it (no second read) where a trusted shape of its bucket,
-    or of one up to 2x wider (its graph serves the batch), had the mask graph timed faster than its read path;
-    before that timing, or further off, it takes two verdicts as ever."""
+def test_a_mask_graph_timed_faster_on_one_shape_wins_its_buckets_other_shapes_at_their_next_verdict():
+    """Where a trusted shape's probes timed the mask graph faster than its read path plus the read, the other
+    shapes of its bucket, and of buckets up to 2x narrower (its graph serves their batches), take the mask graph
+    at their next verdict, trusted at once and whatever their predictions, as the timed shape does; further off
+    they go by their own verdicts, and once a shape of the bucket is timed slower, so do its shapes again."""
     from autoragged._buckets import mask_width
     from autoragged._costmodel import Arm
     from autoragged._planner import graph_config
@@ -569,19 +570,24 @@ def test_a_new_shape_is_trusted_at_its_first_verdict_where_its_buckets_mask_grap
     mask_arm = Arm("ragged_graph", graph_config(16, 170, "triton"))
     cublas = Arm("ragged_graph", graph_config(16, 170, "cublas"))
     wins = {"padded": 2.0, cublas.label: 0.4, mask_arm.label: 0.3}
-    assert (mask_width(140), mask_width(100), mask_width(60)) == (192, 128, 64)
+    lose = {**wins, mask_arm.label: 0.6}  # predicted slower than the read path plus the read
+    assert (mask_width(140), mask_width(160), mask_width(100), mask_width(60)) == (192, 192, 128, 64)
     rt._judge_shape(8, 140, wins, mask_arm)
     first = rt._judge_shape(8, 140, wins, mask_arm)
-    assert first[0] == rt.trust and rt._judge_shape(8, 160, wins, mask_arm)[0] == 1  # trusted, not timed yet
+    assert first[0] == rt.trust and rt._judge_shape(8, 160, lose, mask_arm)[0] == 0  # trusted, not timed yet
     first[5]["unread"] += [0.3, 0.32]
     rt._probe_result(first[5], 8, 140, "read", 0.4)  # 0.3 <= 0.4 + 0.1
-    assert first[5]["confirmed"] and not first[5]["lost"]
+    assert first[5]["confirmed"] and rt.mask_won == {(8, 192)}
+    assert rt._judge_shape(8, 160, lose, mask_arm)[:2] == [rt.trust, mask_arm]  # its sibling, whatever predicted
     assert rt._judge_shape(8, 180, wins, mask_arm)[0] == rt.trust  # a new shape of the bucket: trusted at once
-    assert rt._judge_shape(8, 100, wins, mask_arm)[0] == rt.trust  # width 128: the 192 graph serves it
-    assert rt._judge_shape(8, 60, wins, mask_arm)[0] == 1  # width 64: past 2x
-    assert rt._judge_shape(4, 140, wins, mask_arm)[0] == 1  # another batch size
-    lose = {**wins, mask_arm.label: 0.6}
-    assert rt._judge_shape(8, 120, lose, mask_arm)[0] == 0  # its own verdict still decides
+    assert rt._judge_shape(8, 100, lose, mask_arm)[0] == rt.trust  # width 128: the 192 graph serves it
+    assert rt._judge_shape(8, 60, wins, mask_arm)[0] == 1  # width 64: past 2x, its own verdicts
+    assert rt._judge_shape(4, 140, lose, mask_arm)[0] == 0  # another batch size
+    sibling = rt.mask_shapes[rt._shape_key(8, 160)]
+    sibling[5]["unread"] += [0.7, 0.8]
+    rt._probe_result(sibling[5], 8, 160, "read", 0.4)  # 0.7 > 0.4 + 0.1: the bucket lost
+    assert (8, 192) in rt.mask_lost and rt._judge_shape(8, 180, lose, mask_arm)[0] == 0
+    assert rt._judge_shape(8, 140, lose, mask_arm)[0] == rt.trust + 1  # the timed shape keeps its own timing
 
 
 def test_the_mask_graph_stays_one_arm_for_a_shape_whose_batches_straddle_an_attention_tile():

@@ -146,10 +146,11 @@ class Runtime(UnreadShapes):
         #           to it, the GraphCache generation it was seen in, the record's reason, the device key),
         #           the record of the first unread batch since the last verdict (`_one_behind`) or None,
         #           the rows of the shape's mask graph (B x mask width; 0: not known: `_mask_graph_ms`),
-        #           (B, mask width) or None: the shape's bucket, for `mask_lost`]
+        #           (B, mask width) or None: the shape's bucket, for `mask_lost` and `mask_won`]
         self.mask_shapes: dict[tuple[int, int], list] = {}
-        # (B, mask width) buckets whose mask graph a shape's probes measured slower than its read path
+        # (B, mask width) buckets whose mask graph a shape's probes measured slower / faster than its read path
         self.mask_lost: set[tuple[int, int]] = set()
+        self.mask_won: set[tuple[int, int]] = set()
         # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
         self.sync_samples: deque[float] = deque(maxlen=16)
         # host ms from a read's end to the arm's work queued (the decision; a replay's launch), the recent ones
@@ -175,9 +176,9 @@ class Runtime(UnreadShapes):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: the body holds the modules."""
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
-                     mask_lost=set(), pads_ring=None, sync_samples=deque(maxlen=16), prelaunch=deque(maxlen=16),
-                     pipelined=False, body=None, _bound_epoch=-1, _probe=None, _probe_epoch=-1, _params=[],
-                     _params_epoch=-1)  # fmt: skip
+                     mask_lost=set(), mask_won=set(), pads_ring=None, sync_samples=deque(maxlen=16),
+                     prelaunch=deque(maxlen=16), pipelined=False, body=None, _bound_epoch=-1, _probe=None,
+                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
 
     def _restructured(self, module) -> bool:

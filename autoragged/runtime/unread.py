@@ -202,28 +202,27 @@ class UnreadShapes:
         if len(self.mask_shapes) >= _MAX_SHAPES and key not in self.mask_shapes:
             self.mask_shapes.clear()
             self.mask_lost.clear()
+            self.mask_won.clear()
         entry = self.mask_shapes.get(key)
         if entry is None:
             width = mask_width(L)
             entry = self.mask_shapes[key] = _shape_entry(capacity=B * width, bucket=(B, width))
-            if mask_arm is not None and self.mask_reads != "recheck" and self._bucket_confirmed((B, width)):
-                entry[0] = self.trust - 1  # this verdict alone trusts it (see _bucket_confirmed)
         return self._judge_entry(entry, predicted, mask_arm, tokens, explore)
 
-    def _bucket_confirmed(self, bucket: tuple[int, int]) -> bool:
-        """Whether a shape of the (B, mask width) bucket, or of a bucket up to 2x wider (whose graph serves this
-        one's batches: `GraphCache.mask_serving`), is trusted for the mask graph and its probes timed it faster
-        than its read path: a new shape of the bucket is then trusted by its first verdict for the mask graph,
-        not its second. Each new shape read its lengths once, and in a stream of short batches that read and
-        the read path's graph captured for it cost more than the other batches' difference: CoRa, XNLI B=64,
-        the one batch of a new shape in 64 read, its capture took 10 ms, and the stream 1.13-1.26x its time
-        with lengths= (H100, 2026-11-26)."""
-        B, width, trust = bucket[0], bucket[1], self.trust
-        return any(
-            e[9] is not None and e[9][0] == B and width <= e[9][1] <= 2 * width and e[0] >= trust
-            and e[1].mask_only and e[5]["confirmed"] and not e[5]["lost"]
-            for e in self.mask_shapes.values()
-        )  # fmt: skip
+    def _bucket_won(self, bucket: tuple[int, int] | None) -> bool:
+        """Whether the probes of a shape of the (B, mask width) bucket, or of one up to 2x wider (whose graph
+        serves this one's batches: `GraphCache.mask_serving`), timed the mask graph faster than the read path
+        plus the read (`mask_won`), and none of this bucket timed it slower (`mask_lost`). Its other shapes then
+        take the mask graph as that shape does, whatever the predictions: the same graph, batches of like
+        sizes. Judged each on the predictions, they read their lengths: HF bert-base, SQuAD B=64 (shapes of
+        L 321-336 and 337-368, one mask graph), one shape confirmed and on it, the other reading its lengths at
+        each of its 12 batches of 64; and each new shape read once, which in a stream of short batches cost
+        more than the other batches' difference: CoRa, XNLI B=64, the one batch of a new shape in 64 read, its
+        capture took 10 ms, and the stream 1.13-1.26x its time with lengths= (H100, 2026-11-26)."""
+        if bucket is None or not self.mask_won or bucket in self.mask_lost or self.mask_reads == "recheck":
+            return False
+        B, width = bucket
+        return any(b == B and width <= w <= 2 * width for b, w in self.mask_won)
 
     def _judge_entry(
         self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int, explore: bool = False
@@ -244,6 +243,9 @@ class UnreadShapes:
         probe = entry[5]
         if probe["confirmed"] and not probe["lost"]:
             wins, best = True, None  # timed runs found the kept arm faster: predictions do not overrule them
+        elif mask_label in unread and not probe["lost"] and self._bucket_won(entry[9]):
+            wins, best = True, mask_label  # as a shape of its bucket, timed: trusted at this verdict
+            entry[0] = max(entry[0], self.trust - 1)
         elif not wins and read_ms is not None:
             probe["paid"] += self.read_cost_ms  # this batch reads
             if (
@@ -433,9 +435,11 @@ class UnreadShapes:
         # the read's cost as the verdicts count it: a read path's run is timed from after its read, so in a
         # stream (the host ahead) it leaves out the drained GPU's idle time that `read_cost_ms` adds
         probe["confirmed"] = unread <= read + self.read_cost_ms
+        entry = self.mask_shapes.get(self._shape_key(B, L))
+        if probe["confirmed"] and entry is not None and entry[5] is probe and entry[1].mask_only and entry[9]:
+            self.mask_won.add(entry[9])  # (its bucket's other shapes: `_bucket_won`)
         if not probe["confirmed"]:
             probe["lost"] = True
-            entry = self.mask_shapes.get(self._shape_key(B, L))
             if entry is not None and entry[5] is probe:
                 entry[0] = 0
                 if entry[1].mask_only and entry[9] is not None:
