@@ -74,8 +74,9 @@ def wrap(
     capture:   "second_sight" (default): a bucket is captured the second time it is asked for; "pays": only when
                its recurrence promises replays enough to repay the capture (lost on the benchmark of record).
     mask_reads: "one_behind" (default): mask-only shapes are keyed by B and the padded length's bucket, trusted
-               after 2 verdicts, and re-judged from an earlier batch's stats without a read; "recheck": keyed by
-               (B, L), trusted after 3, and every 16th batch of a trusted shape reads its lengths.
+               after 2 verdicts, and re-judged from an earlier batch's stats without a read; a shape's timings of
+               the mask graph settle every shape of its (B, mask width) bucket; "recheck": keyed by (B, L),
+               trusted after 3, each shape timed alone, and every 16th batch of a trusted shape reads its lengths.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

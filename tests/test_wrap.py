@@ -554,6 +554,12 @@ def test_a_mask_graph_timed_slower_on_one_shape_loses_its_buckets_other_shapes()
     assert rt._judge_shape(8, 160, wins, mask_arm)[0] == 0  # its sibling reads from its next verdict on
     assert rt._judge_shape(8, 180, wins, mask_arm)[0] == 0  # and so does a shape of the bucket seen later
     assert rt._judge_shape(8, 100, wins, mask_arm)[:2] == [2, mask_arm]  # another bucket: as it was
+    old = autoragged.wrap(make_encoder(), db=False, policy="auto", mask_reads="recheck")._autoragged
+    old.sync_samples.append(0.1)
+    first, sibling = (old._judge_shape(8, L, wins, mask_arm) for L in (140, 160))
+    first[5]["unread"] += [0.6, 0.55]
+    old._probe_result(first[5], 8, 140, "read", 0.4)
+    assert first[5]["lost"] and not old.mask_lost and old._judge_shape(8, 160, wins, mask_arm)[0] == 2  # (each alone)
 
 
 def test_a_mask_graph_timed_faster_on_one_shape_wins_its_buckets_other_shapes_at_their_next_verdict():

@@ -442,7 +442,7 @@ class UnreadShapes:
             probe["lost"] = True
             if entry is not None and entry[5] is probe:
                 entry[0] = 0
-                if entry[1].mask_only and entry[9] is not None:
+                if entry[1].mask_only and entry[9] is not None and self.mask_reads != "recheck":
                     # the mask graph of the shape's bucket lost: so it does for the bucket's other shapes (the
                     # same graph, batches of like sizes), which would each capture it, if not kept, and pay their
                     # own probes to find out (HF bert-base, SQuAD B=64: 28 batches of a 64-batch stream ran on it,
