@@ -77,7 +77,8 @@ def _shape_entry(
 ) -> list:  # fmt: skip
     """A mask_shapes entry (see Runtime.__init__): a shape judged `streak` times in a row for `arm`; `capacity`:
     the rows of its mask graph (B x mask width; 0: not known), which decide whether it has cuBLAS branches;
-    `bucket`: (B, mask width), whose mask graph a timing may find slower for every shape of it (`mask_lost`)."""
+    `bucket`: (B, mask width): a timing of its mask graph on one of its shapes settles it for all of them
+    (`mask_lost`, `_bucket_won`)."""
     probe = {
         "read": [],
         "unread": [],
@@ -216,7 +217,7 @@ class UnreadShapes:
         take the mask graph as that shape does, whatever the predictions: the same graph, batches of like
         sizes. Judged each on the predictions, they read their lengths: HF bert-base, SQuAD B=64 (shapes of
         L 321-336 and 337-368, one mask graph), one shape confirmed and on it, the other reading its lengths at
-        each of its 12 batches of 64; and each new shape read once, which in a stream of short batches cost
+        each of its batches (about 12 of 64); and each new shape read once, which in a stream of short batches cost
         more than the other batches' difference: CoRa, XNLI B=64, the one batch of a new shape in 64 read, its
         capture took 10 ms, and the stream 1.13-1.26x its time with lengths= (H100, 2026-11-26)."""
         if bucket is None or not self.mask_won or bucket in self.mask_lost or self.mask_reads == "recheck":
