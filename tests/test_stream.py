@@ -630,5 +630,9 @@ def test_verdict_trace_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
     assert all(c["path"] in ("R", "U") or c["path"].startswith("read:") for c in row["trace"]["calls"])
     assert row["trace"]["verdicts"] and all(row[c]["ms"] > 0 for c in ("auto", "always_mask", "always_read"))
     assert (core.Runtime._execute, unread.UnreadShapes._judge_entry, core.Runtime._run_unread) == before
+    cora = tmp_path / "cora.json"  # the CoRa encoder's streams, called with src_key_padding_mask
+    assert verdict_trace.main([*argv[:-1], str(cora), "--models", "cora"]) == 0
+    calls = json.loads(cora.read_text())["rows"][0]["trace"]["calls"]
+    assert len(calls) == 3 and all(c["path"] in ("R", "U") or c["path"].startswith("read:") for c in calls)
     with pytest.raises(SystemExit):
         verdict_trace.main(["--rows", "CoLA"])  # DATASET:B
