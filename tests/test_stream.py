@@ -19,6 +19,7 @@ from autoragged import report
 from autoragged._costmodel import PADDED, Arm
 from autoragged._planner import Planner, default_ragged_config, graph_config
 from autoragged.runtime import graphs as _graphs
+from autoragged.runtime import unread as _unread
 from autoragged.runtime.records import Record
 
 
@@ -464,6 +465,46 @@ def test_a_read_that_waits_for_queued_work_marks_the_host_ahead(monkeypatch, ref
         for _ in range(3):
             enc(x, src_key_padding_mask=mask)
     assert len(rt.sync_samples) == len(rt.prelaunch) == 3 and rt.sync_ms >= 2.0 and not rt.pipelined
+
+
+def test_a_gpu_reads_own_cost_is_timed_from_the_queued_works_end(monkeypatch):
+    """On a GPU a read's host time includes its wait for the batches queued before it; its own cost is timed by
+    events from their end, taken at the next read (no wait then). Fake events stand in for CUDA's here."""
+
+    class Event:
+        def __init__(self):
+            self.at, self.done = None, True
+
+        def record(self):
+            self.at = clock[0]
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    clock = [0.0]
+    monkeypatch.setattr(_unread, "timers", lambda device: (Event(), Event()))
+    rt = autoragged.wrap(make_encoder(), db=False)._autoragged
+    kpm = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+    def read(host_ms, own_ms):  # the read waited host_ms - own_ms for queued work
+        events = rt._read_begin(kpm)
+        clock[0] += own_ms  # (the start fires at the queue's end: the host clock's wait is not on it)
+        rt._read_timed(host_ms, True, events)
+        clock[0] += 10.0  # the next batch
+
+    read(5.0, 0.05)
+    assert list(rt.sync_samples) == [5.0] and not rt.pipelined  # the first read: its host time alone
+    read(4.0, 0.06)
+    assert rt.sync_ms == pytest.approx(0.05) and rt.pipelined  # the first read's own time, harvested now
+    read(0.07, 0.07)
+    assert rt.sync_ms == pytest.approx(0.05) and not rt.pipelined  # a read that did not wait
+    rt.read_events[1].done = False  # a pair not fired yet is skipped, not waited for
+    read(3.0, 0.02)
+    assert rt.sync_ms == pytest.approx(0.05) and len(rt.sync_samples) == 3
+    assert rt._read_begin(types.SimpleNamespace(is_cuda=False)) is None  # a CPU: host times only
 
 
 def test_peek_never_waits_for_a_copy():

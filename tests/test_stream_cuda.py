@@ -2,13 +2,15 @@
 after a batch's eager run and then replays, graphs are sized against the device's memory, a trusted mask
 shape judged one batch behind never synchronises, and `autoragged.warmup` runs on the GPU."""
 
+import time
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from _fakes import Fixed  # noqa: E402
+from _fakes import Fixed, Prefers  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
@@ -101,6 +103,31 @@ def test_the_runtime_captures_after_the_eager_run_and_then_replays():
         torch.testing.assert_close(real(y, lengths), real(want, lengths), rtol=2e-2, atol=2e-2)
     stats = autoragged.graph_stats(enc)["DispatchingTransformerEncoder"]
     assert stats.captures == 1 and stats.graphs == 1 and stats.capture_ms > 0 and stats.kept_bytes > 0
+
+
+def test_a_read_behind_queued_work_costs_its_own_time_not_the_wait():
+    """A mask read waits for the GPU work queued before it; the read's cost (`sync_ms`) is timed from that
+    work's end, so the wait is not counted, and the wait marks the host as running ahead."""
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0, graphs=False)
+    rt = enc._autoragged
+    planner = Planner(rt.sig, Prefers(padded=False))  # the eager ragged arm: every batch reads its lengths
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    x, mask = batch([50, 17, 33, 8])
+    host = []
+    with torch.inference_mode():
+        enc(x, src_key_padding_mask=mask)  # compiles and plans: not timed here
+        torch.cuda.synchronize()
+        rt.sync_samples.clear()
+        for _ in range(2):
+            torch.cuda._sleep(40_000_000)  # tens of ms of queued GPU work
+            t0 = time.perf_counter()
+            enc(x, src_key_padding_mask=mask)
+            host.append((time.perf_counter() - t0) * 1e3)
+        assert rt.pipelined
+    torch.cuda.synchronize()
+    rt._read_begin(mask)  # harvests the last read's events
+    own = list(rt.sync_samples)[1:]
+    assert min(host) > 10.0 and own and max(own) < 2.0 and rt.sync_ms == min(own), (host, list(rt.sync_samples))
 
 
 def test_a_trusted_shape_judged_one_batch_behind_never_synchronises():

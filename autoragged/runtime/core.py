@@ -151,8 +151,9 @@ class Runtime(UnreadShapes):
         # (B, mask width) buckets whose mask graph a shape's probes measured slower / faster than its read path
         self.mask_lost: set[tuple[int, int]] = set()
         self.mask_won: set[tuple[int, int]] = set()
-        # host ms of reading lengths from a mask, the recent ones: their minimum is the read's own cost
+        # ms of reading lengths from a mask, the recent reads' own (`_read_timed`): their minimum is its cost
         self.sync_samples: deque[float] = deque(maxlen=16)
+        self.read_events: list | None = None  # [start, end, device, a read between them] (`_read_begin`)
         # host ms from a read's end to the arm's work queued (the decision; a replay's launch), the recent ones
         self.prelaunch: deque[float] = deque(maxlen=16)
         self.pipelined = False  # the last read (or one-behind verdict) found the GPU still busy: the host is ahead
@@ -177,8 +178,8 @@ class Runtime(UnreadShapes):
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
                      mask_lost=set(), mask_won=set(), pads_ring=None, sync_samples=deque(maxlen=16),
-                     prelaunch=deque(maxlen=16), pipelined=False, body=None, _bound_epoch=-1, _probe=None,
-                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
+                     read_events=None, prelaunch=deque(maxlen=16), pipelined=False, body=None, _bound_epoch=-1,
+                     _probe=None, _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
 
     def _restructured(self, module) -> bool:
@@ -250,11 +251,12 @@ class Runtime(UnreadShapes):
                     # queue what every ragged arm needs before the read blocks the host; not where the graph arms
                     # compute it themselves: the read would wait for it, and an eager arm launches it after
                     call.prefetch()
+                read_events = self._read_begin(kpm)
                 t0 = time.perf_counter()
             lens, not_prefix = self._lengths(kpm, call.lengths, B, L)
             if mask_only:
                 t_read = time.perf_counter()
-                self._read_timed((t_read - t0) * 1e3, kpm.is_cuda)
+                self._read_timed((t_read - t0) * 1e3, kpm.is_cuda, read_events)
             if not_prefix is not None and not reason and not call.any_padding:
                 reason = f"key padding mask row {not_prefix} is not right-padded{call.padding_note}"
         stats = BatchStats.from_lengths(lens, padded_len=L)
