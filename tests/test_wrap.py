@@ -554,6 +554,11 @@ def test_a_mask_graph_timed_slower_on_one_shape_loses_its_buckets_other_shapes()
     assert rt._judge_shape(8, 160, wins, mask_arm)[0] == 0  # its sibling reads from its next verdict on
     assert rt._judge_shape(8, 180, wins, mask_arm)[0] == 0  # and so does a shape of the bucket seen later
     assert rt._judge_shape(8, 100, wins, mask_arm)[:2] == [2, mask_arm]  # another bucket: as it was
+    close = {**wins, mask_arm.label: 0.55}  # would be explored (within 1.35x of 0.5) once the reads paid 30 ms
+    late = rt._judge_shape(8, 170, close, mask_arm, explore=True)
+    late[5]["paid"] = 100.0
+    assert rt._judge_shape(8, 170, close, mask_arm, explore=True)[0] == 0  # lost: not explored either
+    assert not late[5]["explored"]
     old = autoragged.wrap(make_encoder(), db=False, policy="auto", mask_reads="recheck")._autoragged
     old.sync_samples.append(0.1)
     first, sibling = (old._judge_shape(8, L, wins, mask_arm) for L in (140, 160))

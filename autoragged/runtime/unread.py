@@ -275,7 +275,7 @@ class UnreadShapes:
         elif not wins and read_ms is not None:
             probe["paid"] += self.read_cost_ms  # this batch reads
             if (
-                explore and mask_label in predicted and len(probe["unread"]) < 2
+                explore and mask_label in unread and len(probe["unread"]) < 2
                 and unread[mask_label] <= read_ms * _EXPLORE and probe["paid"] >= _EXPLORE_AFTER_MS
             ):  # fmt: skip
                 wins, best = True, mask_label  # close, from the prior: the probes time it and settle the shape
