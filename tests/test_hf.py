@@ -404,19 +404,21 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
 
 
 # the mask graph's branches (runtime/capture.py, `_Rungs`) for the batch below, which counts 20 rows (17 tokens and
-# the column 0 of its 3 left-padded rows): (rungs, the rows of the branch that must run; None: the Triton one)
+# the column 0 of its 3 left-padded rows): (rungs, the rows the branch that must run runs (None: the Triton one),
+# the rows each branch runs where not its rung's: graphs.py `branch_rows`)
 _RUNG_CASES = [
-    ("bert", None, None),
-    ("bert", ((0, 24), (24, 48)), 24),  # the first rung holds it
-    ("albert", ((0, 10), (10, 30)), 30),  # the second
-    ("roberta", ((0, 19),), None),  # one row too many for any rung: the Triton branch
-    ("roberta", ((19, 20),), 20),  # exactly the rung's rows
-    ("bert", ((20, 40),), None),  # at the lowest bound: not the rung's (lowest < T <= rows)
+    ("bert", None, None, None),
+    ("bert", ((0, 24), (24, 48)), 24, None),  # the first rung holds it
+    ("albert", ((0, 10), (10, 30)), 30, None),  # the second
+    ("roberta", ((0, 19),), None, None),  # one row too many for any rung: the Triton branch
+    ("roberta", ((19, 20),), 20, None),  # exactly the rung's rows
+    ("bert", ((19, 20),), 21, (21,)),  # the rung's branch on one row more (a faster cuBLAS kernel there)
+    ("bert", ((20, 40),), None, None),  # at the lowest bound: not the rung's (lowest < T <= rows)
 ]
 
 
-@pytest.mark.parametrize("family, rungs, branch", _RUNG_CASES)
-def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family, rungs, branch):
+@pytest.mark.parametrize("family, rungs, branch, run", _RUNG_CASES)
+def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family, rungs, branch, run):
     """The ragged graph fed a mask (runtime/capture.py, io="mask") never reads lengths, so it cannot send a
     left-padded batch of a first-token-pooler model to the padded arm as the eager arms do. It computes
     column 0 of such a row (a pad, which the original computes and its pooler reads) as a query-only row:
@@ -424,7 +426,7 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     one-token and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the
     original's, and the pads it reports the mask's. With cuBLAS branches on rungs of rows (`_Rungs`, run
     eagerly as the predicate picks: a capture makes each one a conditional node) exactly the branch the
-    counted rows pick runs, on its rung's rows, and computes the same."""
+    counted rows pick runs, on its rung's rows (or one more), and computes the same."""
     from autoragged.kernels import graph_layout
 
     from autoragged._planner import graph_config
@@ -462,7 +464,7 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
             ran.append((v.shape[0], config.backend))
             return body.values(v, layout, config, causal)
 
-        switch = _Rungs(rungs, "cpu", eager="taken") if rungs else None
+        switch = _Rungs(rungs, "cpu", eager="taken", run=run) if rungs else None
         pads = mask_pass(values_fn, args, meta, values, layout, batch, programs, config, False, width, switch)
         pooled = body.family.pool(model, out)
         plain = _unwrapped(model)

@@ -47,6 +47,9 @@ def batch(lengths, d=64, seed=0):
 
 
 # -- the capture policy, on GraphCache with fake graphs -------------------------------------------------------
+_NO_LINEARS = types.SimpleNamespace(memo=(), layer_linears=lambda: [])  # a body: no rows timed (`branch_rows`)
+
+
 class _Fake:
     """A captured graph's stand-in: what `make` returns."""
 
@@ -141,7 +144,7 @@ def test_mask_graphs_with_branches_are_found_by_the_tokens_their_rungs_hold(fake
 
     made = []
 
-    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=()):
+    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=(), rows=None):
         made.append(rungs)
         graph = _Fake()
         graph.rungs = _Rungs(rungs, "cpu") if rungs else None
@@ -149,7 +152,7 @@ def test_mask_graphs_with_branches_are_found_by_the_tokens_their_rungs_hold(fake
 
     monkeypatch.setattr(_graphs, "_RaggedGraph", fake_graph)
     monkeypatch.setattr(_cuda_if, "why_not", lambda device: None)
-    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=True)
+    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=True, body=_NO_LINEARS)
     config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
     cache = _graphs.GraphCache()
 
@@ -178,6 +181,34 @@ def test_mask_graphs_with_branches_are_found_by_the_tokens_their_rungs_hold(fake
     assert plain.rungs is None and plain.key[8] is None and runtime.mask_rungs is False
 
 
+def test_a_mask_graphs_cublas_branch_runs_its_rung_or_one_row_more_whichever_its_linears_run_faster(monkeypatch):
+    """`branch_rows`: a ragged graph of the rung timed already decides (`_ROW_CHOICE`); else one layer's linears are
+    timed on the rung's rows and one more, once per (rows, body dims, dtype, device), and the extra row must win by
+    the margin; the rung itself where the graph has no room for one more row or the body names no linears."""
+    timed = []
+    ms = {896: [1.0, 0.8], 960: [1.0, 0.995], 1024: [1.0, 0.5]}
+
+    def fake_ms(linears, rows, dtype, device):
+        timed.append(rows)
+        return ms[rows[0]]
+
+    monkeypatch.setattr(_graphs, "linears_ms", fake_ms)
+    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {(1024, 8, 16, 2, "fp16", "gpu"): 1024})
+    monkeypatch.setattr(_graphs, "_BRANCH_ROWS", {})
+    body = types.SimpleNamespace(memo=(8, 16, 2), layer_linears=lambda: ["a linear"])
+    runtime = types.SimpleNamespace(body=body)
+
+    def rows(n, capacity=4096):
+        return _graphs.branch_rows(runtime, n, capacity, "fp16", "gpu")
+
+    assert rows(896) == 897 and rows(896) == 897 and timed == [(896, 897)]  # timed once
+    assert rows(960) == 960  # 0.5% faster: within the margin
+    assert rows(1024) == 1024 and len(timed) == 2  # a ragged graph of 1,024 rows was timed: its choice
+    assert rows(1152, capacity=1152) == 1152 and len(timed) == 2  # no room for one more
+    runtime.body = _NO_LINEARS
+    assert rows(1280) == 1280 and len(timed) == 2
+
+
 def test_a_new_mask_graph_is_as_wide_as_its_batch_sizes_shapes_reach(fake_device, monkeypatch):
     """A new mask graph takes the widest length bucket the batch size's mask-only shapes have reached (up to 2x
     its own, and within the rows that keep cuBLAS branches): those batches then replay it, no capture mid-stream."""
@@ -187,7 +218,7 @@ def test_a_new_mask_graph_is_as_wide_as_its_batch_sizes_shapes_reach(fake_device
     from autoragged.runtime import _cuda_if
     from autoragged.runtime.capture import _Rungs
 
-    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=()):
+    def fake_graph(runtime, module, config, causal, key, dtype, device, pool, tile_rows=None, rungs=(), rows=None):
         graph = _Fake()
         graph.rungs = _Rungs(rungs, "cpu") if rungs else None
         return graph
@@ -195,7 +226,9 @@ def test_a_new_mask_graph_is_as_wide_as_its_batch_sizes_shapes_reach(fake_device
     monkeypatch.setattr(_graphs, "_RaggedGraph", fake_graph)
     monkeypatch.setattr(_cuda_if, "why_not", lambda device: None)
     shapes = {(32, 480): None, (32, 336): None, (40, 512): None, (32, 1024): None}  # (B, the padded bucket's L)
-    runtime = types.SimpleNamespace(_parameters=lambda module: [], mask_rungs=True, mask_shapes=shapes)
+    runtime = types.SimpleNamespace(
+        _parameters=lambda module: [], mask_rungs=True, mask_shapes=shapes, body=_NO_LINEARS
+    )
     config = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, backend="triton")
     cache = _graphs.GraphCache()
 

@@ -61,6 +61,12 @@ class Body:
         """A parameter whose dtype and device stand for the module's."""
         raise NotImplementedError
 
+    def layer_linears(self) -> list:
+        """The linears of one layer as (weight, bias, cuBLAS epilogue activation or None) (`_encoder.layer_linears`),
+        where the layers are alike: a number of rows is timed on them (`runtime.graphs.branch_rows`). Empty: not
+        known, nothing is timed."""
+        return []
+
     def values(self, x: torch.Tensor, layout, config, causal: bool, hidden: list | None = None) -> torch.Tensor:
         """The ragged arm on packed values x (rows, D) -> (rows, D); `hidden`, a list, gets each layer's
         output values (for `output_hidden_states`)."""

@@ -36,7 +36,7 @@ from transformers import PreTrainedModel
 from transformers import modeling_outputs as outputs
 from transformers.activations import GELUActivation
 
-from .._encoder import EncoderLayerSpec, encoder_values
+from .._encoder import EncoderLayerSpec, encoder_values, layer_linears
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import _hf, _sentence
@@ -242,6 +242,10 @@ class HFEncoderBody(_hf.HFBody):
         if family.layers is not None:
             return encoder_values(self._specs.get(), None, x, layout, config, causal, hidden)
         return self._module_values(x, layout, config, hidden)
+
+    def layer_linears(self) -> list:
+        specs = self._specs.get() if self.family.layers is not None else []
+        return layer_linears(specs[0]) if specs else []
 
     def _module_values(self, x, layout, config, hidden):
         """ModernBERT's own layer modules on (1, rows, D), our varlen kernel as their attention."""

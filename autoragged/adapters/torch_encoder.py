@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._encoder import encoder_values
+from .._encoder import encoder_values, layer_linears
 from .._ragged import RaggedTensor, _from_padded, _to_padded, _zero_pads
 from ..nn import activation_kind, encoder_specs, support_error
 from ..runtime.core import pad_mask
@@ -111,6 +111,10 @@ class TorchEncoderBody(Body):
 
     def values(self, x, layout, config, causal, hidden=None):
         return encoder_values(*self._specs.get(), x, layout, config, causal, hidden)
+
+    def layer_linears(self) -> list:
+        specs = self._specs.get()[0]
+        return layer_linears(specs[0]) if specs else []
 
     def padded_forward(self, module, x, mask):
         return self.base.forward(module, x, None, mask, None)

@@ -218,12 +218,15 @@ class _Rungs:
     the rung's rows without reading the lengths. On bert-base the replay then took what the cuBLAS graph fed
     lengths takes, within -10% to +5% (the Triton linears alone: +5% to +27%; H200, 2026-11-26).
     `rungs`: (lowest, rows) per branch (`_buckets.mask_rungs`); a batch of T rows takes the branch with
-    lowest < T <= rows, else the Triton one. Outside a capture the branches run eagerly: all of them in the
+    lowest < T <= rows, else the Triton one. `run`: the rows each branch's layers run (its rung's or one more:
+    graphs.py `branch_rows`; default the rungs'). Outside a capture the branches run eagerly: all of them in the
     warm-up run (`eager="all"`, compiling each one's kernels and making cuBLAS's handles before the capture; the
     branches are kept for `capture_bodies`), or only the one picked (`eager="taken"`: a sync; the CPU tests)."""
 
-    def __init__(self, rungs, device, eager: str = "all"):
-        self.rows = tuple(r for _, r in rungs)
+    def __init__(self, rungs, device, eager: str = "all", run=None):
+        self.rows = tuple(run) if run else tuple(r for _, r in rungs)
+        if len(self.rows) != len(rungs) or any(not high <= n for (_, high), n in zip(rungs, self.rows)):
+            raise ValueError(f"each branch must run at least its rung's rows: rungs {rungs}, rows {self.rows}")
         self.bounds_host = tuple(tuple(b) for b in rungs)
         self.bounds = torch.tensor(rungs, dtype=torch.int32, device=device).reshape(-1, 2)
         self.taken = torch.zeros(1, dtype=torch.int32, device=device)  # the branch the last replay ran
@@ -290,7 +293,9 @@ class _RaggedGraph:
     Per batch, the args (pointers, strides, sizes and lengths) go through `replay`: a pinned slot the
     graph's first kernel reads."""
 
-    def __init__(self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None, rungs=()):
+    def __init__(
+        self, runtime, module, config, causal: bool, key, dtype, device, pool, tile_rows=None, rungs=(), rung_rows=None
+    ):  # fmt: skip
         rows, batch, max_len, io = key[0], key[1], key[2], key[5]
         # io="mask" or "padded": None (the graph packs the caller's x), or "ids" / "ids_tt": the graph runs the
         # body's embedding step itself on static token ids (and token types), which `run_mask_ids` or
@@ -338,7 +343,7 @@ class _RaggedGraph:
         elif io == "mask":  # rows = batch * width: room for any mask; the batch's tokens fill the first rows
             width, embed_ids = max_len, self._embed_step(module, body, batch, max_len, D, device)
             # cuBLAS branches on rungs of rows (`_Rungs`), each a conditional node; () for the Triton linears alone
-            switch = self.rungs = _Rungs(rungs, device) if rungs else None
+            switch = self.rungs = _Rungs(rungs, device, run=rung_rows) if rungs else None
 
             def run():
                 mailbox.fetch()

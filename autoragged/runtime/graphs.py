@@ -54,6 +54,64 @@ log = logging.getLogger("autoragged")
 # compute every linear on every row and skip the rest (no component). The extra row must win by _ROW_MARGIN.
 _ROW_CHOICE: dict[tuple, int] = {}
 _ROW_MARGIN = 0.01
+# The cuBLAS branches of a ragged graph fed the mask (capture.py `_Rungs`) run a rung's rows too, so they take the
+# same choice: `_ROW_CHOICE`'s where a ragged graph of the rung was timed, else one made by timing one layer's
+# linears on the rung's rows and on one more (`branch_rows`; a capture is too costly to make twice there, with
+# up to 7 branches). At their rungs' rows alone, cuBLAS ran other, slower kernels than the ragged graph fed
+# lengths ran on one row more: HF bert-base, CoLA B=64 (896 rows), its linears 0.58 ms a replay against 0.48,
+# MNLI B=64 (2,944 rows) 1.05 against 0.93 (H100, 2026-11-26, `mask_gap_h100.json`).
+_BRANCH_ROWS: dict[tuple, int] = {}
+
+
+def linears_ms(linears: list, rows: tuple[int, ...], dtype, device, rounds: int = 3, reps: int = 2) -> list[float]:
+    """GPU ms of `reps` runs of the cuBLAS `linears` ((weight, bias, epilogue activation), `Body.layer_linears`)
+    on each count of `rows` (random inputs), the least of `rounds` interleaved rounds after one warm run each.
+    Waits for the device (and the work queued before)."""
+    from ..kernels.ragged_linear import cublas_linear
+
+    inputs = {}
+    for w, _, _ in linears:
+        if w.shape[1] not in inputs:
+            inputs[w.shape[1]] = torch.randn(max(rows), w.shape[1], dtype=dtype, device=device)
+
+    def run(n: int) -> None:
+        for w, b, act in linears:
+            cublas_linear(inputs[w.shape[1]][:n], w, b, act)
+
+    with torch.no_grad():
+        for n in rows:
+            run(n)
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in rows]
+                  for _ in range(rounds)]  # fmt: skip
+        for round_events in events:
+            for n, (start, end) in zip(rows, round_events):
+                start.record()
+                for _ in range(reps):
+                    run(n)
+                end.record()
+        events[-1][-1][1].synchronize()
+    return [min(r[i][0].elapsed_time(r[i][1]) for r in events) / reps for i in range(len(rows))]
+
+
+def branch_rows(runtime, rows: int, capacity: int, dtype, device) -> int:
+    """The rows a cuBLAS branch of rung `rows` runs in a ragged graph fed the mask of `capacity` rows: the rung,
+    or one more, whichever its linears run faster (see _BRANCH_ROWS). Timed once per (rows, body dims, dtype,
+    device) in a process; the rung itself where there is no room for one more or the body names no linears."""
+    memo = (rows, *runtime.body.memo, dtype, device)
+    known = _ROW_CHOICE.get(memo, _BRANCH_ROWS.get(memo))
+    if known is not None or rows >= capacity:
+        return rows if known is None else known
+    linears = runtime.body.layer_linears()
+    if not linears:
+        return rows
+    ms = linears_ms(linears, (rows, rows + 1), dtype, device)
+    choice = rows + 1 if ms[1] < ms[0] * (1 - _ROW_MARGIN) else rows
+    log.debug("autoragged: a mask graph's branch of %d rows: its linears took %.3f ms, on %d rows %.3f ms: %d rows",
+              rows, ms[0], rows + 1, ms[1], choice)  # fmt: skip
+    if len(_BRANCH_ROWS) >= 4096:
+        _BRANCH_ROWS.pop(next(iter(_BRANCH_ROWS)))
+    _BRANCH_ROWS[memo] = choice
+    return choice
 
 
 def replay_ms(graphs: list, rounds: int = 2, reps: int = 3) -> list[float]:
@@ -444,7 +502,12 @@ class GraphCache:
         else:
             rungs = ()  # (a kept graph: nothing to make)
         pool = self.pool
-        make = lambda: _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, pool, tile_rows, rungs)  # noqa: E731
+
+        def make():
+            # (each branch's rows: its rung's or one more, `branch_rows`; timed when the graph is made, not looked up)
+            rows = tuple(branch_rows(runtime, high, key[1], dtype, device) for _, high in rungs)
+            return _RaggedGraph(runtime, module, config, causal, key[1:], dtype, device, pool, tile_rows, rungs, rows)
+
         kind = "ragged/mask/rungs" if rungs else "ragged/mask/triton"
         return self._get(key, make, device, kind, costs, 1 if trusted else None)
 
