@@ -493,7 +493,8 @@ def test_a_mask_graph_with_cublas_rungs_is_judged_as_the_cublas_graph():
 
 def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     """Where the prior predicts (no calibration) and probes run, a mask graph predicted to lose by less than
-    _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS, until the shape's probes
+    _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS (in a stream at once; never
+    where the read costs less than _EXPLORE_SHARE of the batch), until the shape's probes
     timed it: then the timings decide, and a shape they found slower is not explored again. Further off, or
     with a calibrated model, the prediction decides. An explored shape runs unread once its read path was
     timed (the probes compare against it)."""
@@ -526,6 +527,17 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0  # timed: no more exploring
     rt._probe_result(entry[5], 8, 40, "read", 0.4)  # 0.55 > 0.4 + 0.1: lost
     assert entry[5]["lost"] and rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0
+    # in a stream (the host ahead of the GPU) a close shape explores at once; where the read costs less than
+    # _EXPLORE_SHARE of the batch, never (what exploring can win is the read)
+    rt.pipelined = True
+    assert rt.read_cost_ms == 0.1
+    assert rt._judge_shape(4, 40, close, mask_arm, explore=True)[:2] == [1, mask_arm]  # (another bucket: not lost)
+    long = {"padded": 9.0, cublas.label: 3.0, mask_arm.label: 3.3}  # close, but 0.1 is 3% of 3.0: not explored
+    for _ in range(reads + 1):
+        assert rt._judge_shape(2, 40, long, mask_arm, explore=True)[0] == 0
+    rt.pipelined = False
+    assert rt.mask_shapes[rt._shape_key(2, 40)][5]["paid"] >= unread._EXPLORE_AFTER_MS
+    assert rt._judge_shape(2, 40, long, mask_arm, explore=True)[0] == 0
     cpu = torch.device("cpu")
     rt._plan(cpu, autoragged.tuning_db.BatchStats.from_lengths((40, 20)), None)
     assert rt.planners[cpu].model.name == "prior" and not rt._explores(cpu)  # no probes on a CPU

@@ -57,8 +57,21 @@ _PROBES = 3
 # batches is what not reading could save), not on first sight. At first sight, in a latency table (HF bert-base,
 # 10 calls a batch), the mask graph ran most calls of 16 of 24 rows, up to 1.52x the best forced arm's time
 # (MNLI B=64/128; `hf_table_explore_first_sight_h200.json`, same day and card).
+# What exploring can win is bounded by what the read costs a batch (the mask graph does the read path's work, with
+# Triton linears that rarely beat cuBLAS's), so a shape explores only where the read costs _EXPLORE_SHARE of its
+# read path's batch or more; below that the prior's error swamps the gain. In a stream (the host ahead: `pipelined`)
+# such a shape explores at its first close verdict, not after _EXPLORE_AFTER_MS: a read there cost the GPU 0.2-0.5
+# ms of idle time (`read_cost_ms`, timed by events), so the rent reached 30 ms only after about a hundred reads,
+# and the capture and the probes then fell inside a benchmark's timed stream (HF bert-base, RACE, Wiki512, SQuAD
+# at B=64: 16-48 ms captures, 0.91-0.96x the eager ragged arm; CoRa RACE B=64, where the mask graph takes 0.96x
+# the read path's time, 1.19x its time with lengths=; H100, 2026-11-26, `stream_table_*_full_rows_h100.json`). The
+# rows a first-sight exploring hurt (the latency table above) are not streams: there the rent still applies.
+# The reads' share there: 1-3% on bert-base's B=64 rows of 512 tokens (the mask graph as fast as reading: 11.95 ms
+# against 11.97), 6% on SQuAD B=64 (slower: 6.70 against 6.38), 7% on CoRa RACE B=64 (faster: 2.61 against 2.73;
+# `verdict_trace_{bert,cora}_rows_h100.json`), 5-14% on bert-base MNLI B=128 (faster, see above).
 _EXPLORE = 1.35
 _EXPLORE_AFTER_MS = 30.0
+_EXPLORE_SHARE = 0.05
 _READ = object()  # `_run_unread`: this batch takes the read path after all
 # A mask-only batch that read its lengths, of a shape whose mask graph is kept (and not measured slower), whose
 # planned ragged graph is not captured for its bucket: it replays the shape's mask graph (the same work, the
@@ -254,8 +267,9 @@ class UnreadShapes:
         self, entry: list, predicted: dict[str, float], mask_arm: Arm | None, tokens: int, explore: bool = False
     ) -> list:
         """The verdict of `_judge_shape` on `entry`. explore (`_explores`): a mask graph predicted to lose by
-        less than _EXPLORE, of a shape whose reads cost _EXPLORE_AFTER_MS, wins while the shape's probes have
-        not timed it, so that they do."""
+        less than _EXPLORE, of a shape whose read costs _EXPLORE_SHARE of its batch or more and whose reads cost
+        _EXPLORE_AFTER_MS (in a stream: at once), wins while the shape's probes have not timed it, so that they
+        do."""
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
         mask_label = mask_arm.label if mask_arm is not None else None
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
@@ -273,10 +287,12 @@ class UnreadShapes:
             wins, best = True, mask_label  # as a shape of its bucket, timed: trusted at this verdict
             entry[0] = max(entry[0], self.trust - 1)
         elif not wins and read_ms is not None:
-            probe["paid"] += self.read_cost_ms  # this batch reads
+            cost = self.read_cost_ms
+            probe["paid"] += cost  # this batch reads
             if (
                 explore and mask_label in unread and len(probe["unread"]) < 2
-                and unread[mask_label] <= read_ms * _EXPLORE and probe["paid"] >= _EXPLORE_AFTER_MS
+                and unread[mask_label] <= read_ms * _EXPLORE and cost >= _EXPLORE_SHARE * (read_ms - cost)
+                and (self.pipelined or probe["paid"] >= _EXPLORE_AFTER_MS)
             ):  # fmt: skip
                 wins, best = True, mask_label  # close, from the prior: the probes time it and settle the shape
                 probe["explored"] = True
