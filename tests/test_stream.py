@@ -193,7 +193,9 @@ def test_a_mask_graphs_cublas_branch_runs_its_rung_or_one_row_more_whichever_its
         return ms[rows[0]]
 
     monkeypatch.setattr(_graphs, "linears_ms", fake_ms)
-    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {(1024, 8, 16, 2, "fp16", "gpu"): 1024})
+    monkeypatch.setattr(
+        _graphs, "_ROW_CHOICE", {(r, 8, 16, 2, "fp16", "gpu"): c for r, c in ((1024, 1024), (1152, 1153))}
+    )
     monkeypatch.setattr(_graphs, "_BRANCH_ROWS", {})
     body = types.SimpleNamespace(memo=(8, 16, 2), layer_linears=lambda: ["a linear"])
     runtime = types.SimpleNamespace(body=body)
@@ -204,7 +206,8 @@ def test_a_mask_graphs_cublas_branch_runs_its_rung_or_one_row_more_whichever_its
     assert rows(896) == 897 and rows(896) == 897 and timed == [(896, 897)]  # timed once
     assert rows(960) == 960  # 0.5% faster: within the margin
     assert rows(1024) == 1024 and len(timed) == 2  # a ragged graph of 1,024 rows was timed: its choice
-    assert rows(1152, capacity=1152) == 1152 and len(timed) == 2  # no room for one more
+    assert rows(1152, capacity=1152) == 1152 and len(timed) == 2  # no room for one more (whatever was timed)
+    assert rows(1152) == 1153
     runtime.body = _NO_LINEARS
     assert rows(1280) == 1280 and len(timed) == 2
 

@@ -70,9 +70,11 @@ def linears_ms(linears: list, rows: tuple[int, ...], dtype, device, rounds: int 
     from ..kernels.ragged_linear import cublas_linear
 
     inputs = {}
+    generator = torch.Generator(device=device).manual_seed(0)  # (the caller's random streams are left alone)
     for w, _, _ in linears:
         if w.shape[1] not in inputs:
-            inputs[w.shape[1]] = torch.randn(max(rows), w.shape[1], dtype=dtype, device=device)
+            x = torch.empty(max(rows), w.shape[1], dtype=dtype, device=device)
+            inputs[w.shape[1]] = x.normal_(generator=generator)
 
     def run(n: int) -> None:
         for w, b, act in linears:
@@ -97,10 +99,12 @@ def branch_rows(runtime, rows: int, capacity: int, dtype, device) -> int:
     """The rows a cuBLAS branch of rung `rows` runs in a ragged graph fed the mask of `capacity` rows: the rung,
     or one more, whichever its linears run faster (see _BRANCH_ROWS). Timed once per (rows, body dims, dtype,
     device) in a process; the rung itself where there is no room for one more or the body names no linears."""
+    if rows >= capacity:
+        return rows
     memo = (rows, *runtime.body.memo, dtype, device)
     known = _ROW_CHOICE.get(memo, _BRANCH_ROWS.get(memo))
-    if known is not None or rows >= capacity:
-        return rows if known is None else known
+    if known is not None:
+        return known
     linears = runtime.body.layer_linears()
     if not linears:
         return rows
