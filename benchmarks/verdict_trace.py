@@ -6,7 +6,9 @@ For each row, the stream of `benchmarks/stream_table.py` (the same seeds: 24 war
 back to back) runs on a fresh `autoragged.wrap(model)` called with the mask, and per timed batch it logs the
 path taken (a replay of the shape's kept graph fed the mask, an unread run, or a read and the arm run on the
 lengths), the graphs captured inside it, and every verdict (`_judge_entry`: the mask arm's prediction against
-the best arm needing lengths plus the read's cost). The same stream runs with the verdict forced each way
+the best arm needing lengths plus the read's cost; and what that cost is made of (`sync_ms`, the median
+`prelaunch_ms`), the exploring rent paid, whether this verdict explored, and its (B, mask width) bucket's timings).
+The same stream runs with the verdict forced each way
 (`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=`, so a
 row shows which rule would have been right in the stream. Prints one line per row and column and the batch
 sequence of the auto column; writes benchmarks/results/verdict_trace.json (--out).
@@ -56,12 +58,18 @@ def _patched():
         label = mask_arm.label if mask_arm is not None else None
         needs = {k: v for k, v in predicted.items() if k not in ("padded", "padded_graph", label)}
         best = min(needs, key=needs.get) if needs else None
+        explored = entry[5]["explored"]
         out = judge(self, entry, predicted, mask_arm, tokens, explore)
+        prelaunch = sorted(self.prelaunch)[len(self.prelaunch) // 2] if self.prelaunch else None
         TRACE["verdicts"].append({
             "call": len(TRACE["calls"]), "mask": predicted.get(label), "best": best,
             "best_ms": needs.get(best), "read_cost": round(self.read_cost_ms, 4), "streak": out[0],
             "arm": out[1].label, "lost": out[5]["lost"], "pipelined": self.pipelined, "explore": explore,
             "confirmed": out[5]["confirmed"],
+            # why a mask graph ran: the read's parts, the rent paid, explored at this verdict, its bucket's timings
+            "sync_ms": round(self.sync_ms, 4), "prelaunch_ms": prelaunch and round(prelaunch, 4),
+            "paid": round(out[5]["paid"], 3), "explored_now": out[5]["explored"] and not explored,
+            "bucket": out[9], "bucket_won": self._bucket_won(out[9]), "bucket_lost": out[9] in self.mask_lost,
         })  # fmt: skip
         return out
 
