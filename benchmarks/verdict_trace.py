@@ -3,10 +3,11 @@
     python benchmarks/verdict_trace.py --rows CoLA:128 MNLI:128 [--models bert-base | cora]
 
 For each row, the stream of `benchmarks/stream_table.py` (the same seeds: 24 warm-up batches, then 64 timed ones
-back to back) runs on a fresh `autoragged.wrap(model)` called with the mask, and per timed batch it logs the
-path taken (a replay of the shape's kept graph fed the mask, an unread run, or a read and the arm run on the
-lengths), the graphs captured inside it, and every verdict (`_judge_entry`: the mask arm's prediction against
-the best arm needing lengths plus the read's cost; and what that cost is made of (`sync_ms`, the median
+back to back) runs on a fresh `autoragged.wrap(model)` called with the mask. The timed stream itself is traced (the
+trace adds no synchronisation): per batch its GPU time between events, what its record says ran, the path taken
+(a replay of the shape's kept graph fed the mask, an unread run, or a read and the arm run on the lengths) and
+the graphs captured inside it; and every verdict, the warm-up's too (`_judge_entry`: the mask arm's prediction
+against the best arm needing lengths plus the read's cost; what that cost is made of (`sync_ms`, the median
 `prelaunch_ms`), the exploring rent paid, whether this verdict explored, and its (B, mask width) bucket's timings).
 The same stream runs with the verdict forced each way
 (`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=`, so a
@@ -62,7 +63,7 @@ def _patched():
         out = judge(self, entry, predicted, mask_arm, tokens, explore)
         prelaunch = sorted(self.prelaunch)[len(self.prelaunch) // 2] if self.prelaunch else None
         TRACE["verdicts"].append({
-            "call": len(TRACE["calls"]), "mask": predicted.get(label), "best": best,
+            "call": len(TRACE["calls"]) if TRACE.get("timed") else -1, "mask": predicted.get(label), "best": best,
             "best_ms": needs.get(best), "read_cost": round(self.read_cost_ms, 4), "streak": out[0],
             "arm": out[1].label, "lost": out[5]["lost"], "pipelined": self.pipelined, "explore": explore,
             "confirmed": out[5]["confirmed"],
@@ -113,20 +114,38 @@ def _read_cost(value: float | None):
         unread.UnreadShapes.read_cost_ms = original
 
 
-def traced_stream(model, batches, hf: bool) -> list[dict]:
-    """The batches, mask-only, one by one: per call its path, host ms and captures."""
+def traced_stream(model, batches, hf: bool, device=None) -> tuple[float, list[dict]]:
+    """The batches, mask-only, back to back as `run_stream` runs them (one synchronisation before, one after):
+    per call its path, host ms, captures and, on a GPU, the time between its events and the previous batch's
+    (its kernels, and idle while the host was behind). Returns (seconds, calls)."""
     calls = []
     call = _caller(model, hf)
-    for b in batches:
+    cuda = device is not None and device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(batches) + 1)] if cuda else []
+    if cuda:
+        torch.cuda.synchronize(device)
+        events[0].record()
+    t_start = time.perf_counter()
+    for i, b in enumerate(batches):
         TRACE["path"] = "?"
         before = _graph_totals(model)["captures"]
         t0 = time.perf_counter()
         call(b)
         host = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            events[i + 1].record()
         calls.append({"path": TRACE["path"], "host_ms": round(host, 3), "max_len": b.stats.max_len,
                       "total": b.stats.total, "captured": _graph_totals(model)["captures"] - before})  # fmt: skip
         TRACE["calls"].append(calls[-1])
-    return calls
+    if cuda:
+        torch.cuda.synchronize(device)
+        for i, c in enumerate(calls):
+            c["gpu_ms"] = round(events[i].elapsed_time(events[i + 1]), 3)
+    seconds = time.perf_counter() - t_start
+    ran = autoragged.recent_decisions(model, len(batches))
+    for c, d in zip(calls[len(calls) - len(ran) :], ran):
+        c["ran"] = f"{d.arm}{'' if d.config is None else ':' + d.config.get('backend', '')} | {d.reason[:100]}"
+    return seconds, calls
 
 
 def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: int = 64) -> dict:
@@ -142,23 +161,19 @@ def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: 
     for col, cost, lengths in (("auto", None, False), ("always_mask", float("inf"), False),
                                ("always_read", float("-inf"), False), ("auto_lengths", None, True)):  # fmt: skip
         model = autoragged.wrap(copy.deepcopy(plain), db=False)
+        TRACE["calls"], TRACE["verdicts"], TRACE["timed"] = [], [], False
         with torch.inference_mode(), _read_cost(cost):
             call = _caller(model, hf, lengths)
             for b in warm:
                 call(b)
+            TRACE["timed"] = True
             before = _graph_totals(model)
-            seconds = run_stream(call, timed, device)
-            after = _graph_totals(model)
-            TRACE["calls"], TRACE["verdicts"] = [], []
-            # the same stream again, call by call, for the trace (its graphs now captured: a second pass)
-            if col == "auto":
-                fresh = autoragged.wrap(copy.deepcopy(plain), db=False)
-                call2 = _caller(fresh, hf)
-                for b in warm:
-                    call2(b)
-                calls = traced_stream(fresh, timed, hf)
+            if col == "auto":  # the timed stream itself, traced call by call (no synchronisation between calls)
+                seconds, calls = traced_stream(model, timed, hf, device)
                 row["trace"] = {"calls": calls, "verdicts": TRACE["verdicts"]}
-                del fresh
+            else:
+                seconds = run_stream(call, timed, device)
+            after = _graph_totals(model)
         row[col] = {"ms": round(1e3 * seconds / len(timed), 4), "captures": after["captures"] - before["captures"],
                     "capture_ms": round(after["capture_ms"] - before["capture_ms"], 1),
                     **_what_ran(model, len(timed))}  # fmt: skip
@@ -202,11 +217,15 @@ def main(argv=None) -> int:
             f"  sequence (r replay fed the mask, u unread run, c/t/p read then cuBLAS/Triton graph or eager/padded,"
             f" * captured): {seq}"
         )
+        for c in sorted(row["trace"]["calls"], key=lambda c: -c.get("gpu_ms", 0))[:5]:
+            print(f"  slow batch: gpu {c.get('gpu_ms')} ms, host {c['host_ms']} ms, captured {c['captured']},"
+                  f" {c['path']}: {c.get('ran')}")  # fmt: skip
         for v in row["trace"]["verdicts"][:40]:
             print(
-                f"  verdict at {v['call']}: mask {v['mask']} vs {v['best']} {v['best_ms']} + read {v['read_cost']}"
+                f"  verdict at {v['call']} (-1: warm-up): mask {v['mask']} vs {v['best']} {v['best_ms']}"
+                f" + read {v['read_cost']}"
                 f" -> streak {v['streak']} {v['arm']} lost={v['lost']} confirmed={v['confirmed']}"
-                f" pipelined={v['pipelined']} explore={v['explore']}"
+                f" pipelined={v['pipelined']} explore={v['explore']} explored_now={v['explored_now']}"
             )
     path = args.out or str(pathlib.Path(__file__).parent / "results" / "verdict_trace.json")
     write_json(path, {"env": environment(), "args": vars(args), "rows": rows})

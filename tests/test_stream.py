@@ -706,6 +706,10 @@ def test_verdict_trace_runs_a_tiny_cpu_smoke(tmp_path, reference_ops):
     assert [c["path"] for c in row["trace"]["calls"]] and len(row["trace"]["calls"]) == 3
     assert all(c["path"] in ("R", "U") or c["path"].startswith("read:") for c in row["trace"]["calls"])
     assert row["trace"]["verdicts"] and all(row[c]["ms"] > 0 for c in ("auto", "always_mask", "always_read"))
+    # the timed stream itself is traced: each call says what its record ran; the warm-up's verdicts come first
+    assert all(" | " in c["ran"] for c in row["trace"]["calls"])
+    calls_at = [v["call"] for v in row["trace"]["verdicts"]]
+    assert calls_at == sorted(calls_at) and -1 in calls_at
     verdict = row["trace"]["verdicts"][-1]  # what a verdict weighed: the read's parts, the rent, the bucket's timings
     assert verdict["sync_ms"] >= 0 and verdict["paid"] >= 0 and verdict["bucket"][0] == 3
     assert not verdict["explored_now"] and not verdict["bucket_won"] and not verdict["bucket_lost"]  # (a CPU)
