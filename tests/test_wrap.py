@@ -493,8 +493,9 @@ def test_a_mask_graph_with_cublas_rungs_is_judged_as_the_cublas_graph():
 
 def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     """Where the prior predicts (no calibration) and probes run, a mask graph predicted to lose by less than
-    _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS (in a stream at once; never
-    where the read costs less than _EXPLORE_SHARE of the batch), until the shape's probes
+    _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS (in a stream at its first close
+    verdict there, and only then; never where the read costs less than _EXPLORE_SHARE of the batch), until the
+    shape's probes
     timed it: then the timings decide, and a shape they found slower is not explored again. Further off, or
     with a calibrated model, the prediction decides. An explored shape runs unread once its read path was
     timed (the probes compare against it)."""
@@ -538,6 +539,20 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     rt.pipelined = False
     assert rt.mask_shapes[rt._shape_key(2, 40)][5]["paid"] >= unread._EXPLORE_AFTER_MS
     assert rt._judge_shape(2, 40, long, mask_arm, explore=True)[0] == 0
+    # a stream weighs a close shape once, at its first close verdict there: a read cost that rises past the share
+    # later (a slow host, a long wait) explores neither then nor, with calls synchronised, once the rent is paid
+    rt.pipelined = True
+    assert rt._judge_shape(1, 40, long, mask_arm, explore=True)[0] == 0
+    rt.sync_samples.clear()
+    rt.sync_samples.append(0.25)  # now 8% of the batch (and 3.0 + 0.25 still under the mask graph's 3.3)
+    assert rt.read_cost_ms == 0.25
+    assert rt._judge_shape(1, 40, long, mask_arm, explore=True)[0] == 0
+    rt.pipelined = False
+    for _ in range(round(unread._EXPLORE_AFTER_MS / 0.25) + 1):
+        assert rt._judge_shape(1, 40, long, mask_arm, explore=True)[0] == 0
+    assert not rt.mask_shapes[rt._shape_key(1, 40)][5]["explored"]
+    rt.pipelined = True
+    assert rt._judge_shape(3, 40, long, mask_arm, explore=True)[:2] == [1, mask_arm]  # another shape: weighed anew
     cpu = torch.device("cpu")
     rt._plan(cpu, autoragged.tuning_db.BatchStats.from_lengths((40, 20)), None)
     assert rt.planners[cpu].model.name == "prior" and not rt._explores(cpu)  # no probes on a CPU

@@ -72,7 +72,12 @@ _PROBES = 3
 # `verdict_trace_{bert,cora}_rows_h100.json`), 5-14% on bert-base MNLI B=128 (faster, see above). With this rule
 # every CoRa stream row met its goals; bert-base's B=64 rows of 384-512 tokens still took 0.90-0.99x the eager arm's
 # time from run to run, as their exploring landed before or inside the timed stream
-# (`stream_table_bert_full_explore{,2}_h100.json`).
+# (`stream_table_bert_full_explore{,2}_h100.json`). A trace of the timed stream itself showed why: a stream weighed
+# the share at every close verdict, and the read's cost moves with the host (RACE B=64: 0.27-0.57 ms in the warm-up,
+# 3-4% of its 14.9 ms prediction; 0.63 ms, 0.54 of it host time, at the 31st timed batch, which then explored: a
+# capture and a lost probe inside the stream; SQuAD B=64 explored four times; `vt_long64_h100.json`, H100,
+# 2026-11-26). So a stream weighs a shape once, at its first close verdict there, and a shape it weighed and left
+# is not explored later by the rent either.
 _EXPLORE = 1.35
 _EXPLORE_AFTER_MS = 30.0
 _EXPLORE_SHARE = 0.05
@@ -104,6 +109,7 @@ def _shape_entry(
         "confirmed": False,
         "paid": 0.0,
         "explored": False,
+        "weighed": False,
     }
     return [streak, arm, 0, predicted or {}, tokens, probe, None, None, capacity, bucket]
 
@@ -293,13 +299,15 @@ class UnreadShapes:
         elif not wins and read_ms is not None:
             cost = self.read_cost_ms
             probe["paid"] += cost  # this batch reads
-            if (
-                explore and mask_label in unread and len(probe["unread"]) < 2
-                and unread[mask_label] <= read_ms * _EXPLORE and cost >= _EXPLORE_SHARE * (read_ms - cost)
-                and (self.pipelined or probe["paid"] >= _EXPLORE_AFTER_MS)
-            ):  # fmt: skip
-                wins, best = True, mask_label  # close, from the prior: the probes time it and settle the shape
-                probe["explored"] = True
+            close = mask_label in unread and len(probe["unread"]) < 2 and unread[mask_label] <= read_ms * _EXPLORE
+            if explore and close:  # from the prior: the probes would time it and settle the shape
+                # in a stream, weighed once, at the shape's first close verdict there; with calls synchronised,
+                # once its reads paid the rent (unless a stream weighed it)
+                weigh = not probe["weighed"] and (self.pipelined or probe["paid"] >= _EXPLORE_AFTER_MS)
+                probe["weighed"] = probe["weighed"] or self.pipelined
+                if weigh and cost >= _EXPLORE_SHARE * (read_ms - cost):
+                    wins, best = True, mask_label
+                    probe["explored"] = True
         if wins and not probe["lost"]:
             entry[0] += 1
             arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm) if best else entry[1]
