@@ -7,7 +7,7 @@ back to back) runs on a fresh `autoragged.wrap(model)` called with the mask. The
 trace adds no synchronisation): per batch its GPU time between events, what its record says ran, the path taken
 (a replay of the shape's kept graph fed the mask, an unread run, or a read and the arm run on the lengths) and
 the graphs captured inside it; and every verdict, the warm-up's too (`_judge_entry`: the mask arm's prediction
-against the best arm needing lengths plus the read's cost; what that cost is made of (`sync_ms`, the median
+against the best arm needing lengths plus the read's cost; what that cost is made of (`sync_ms`, the least
 `prelaunch_ms`), the exploring rent paid, whether this verdict explored, and its (B, mask width) bucket's timings).
 The same stream runs with the verdict forced each way
 (`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=`, so a
@@ -61,7 +61,7 @@ def _patched():
         best = min(needs, key=needs.get) if needs else None
         explored = entry[5]["explored"]
         out = judge(self, entry, predicted, mask_arm, tokens, explore)
-        prelaunch = sorted(self.prelaunch)[len(self.prelaunch) // 2] if self.prelaunch else None
+        prelaunch = min(self.prelaunch) if self.prelaunch else None
         TRACE["verdicts"].append({
             "call": len(TRACE["calls"]) if TRACE.get("timed") else -1, "mask": predicted.get(label), "best": best,
             "best_ms": needs.get(best), "read_cost": round(self.read_cost_ms, 4), "streak": out[0],
