@@ -120,7 +120,7 @@ def host_steps(name: str, masked, x, mask, mgraph, varlen_replay) -> dict[str, f
         ("post the args (a pinned slot)", lambda: mgraph.mailbox.post((*head, mask.data_ptr(), *mask.stride()))),
         ("post the args, then the replay", lambda: mgraph.replay((*head, mask.data_ptr(), *mask.stride()))),
         ("_check_params", lambda: rt.graphs._check_params(rt._parameters(masked))),
-        ("_dynamic_reason", lambda: rt._dynamic_reason(masked, x, None, mask, None)),
+        ("_dynamic_reason", lambda: rt._dynamic_reason(masked, call())),
     ]
     print(f"\n### host steps of the mask call, {name} (median us)\n")
     out = {}
