@@ -224,6 +224,13 @@ def main(argv=None) -> int:
             f"  sequence (r replay fed the mask, u unread run, c/t/p read then cuBLAS/Triton graph or eager/padded,"
             f" * captured): {seq}"
         )
+        by_path: dict[str, list] = {}
+        for c in row["trace"]["calls"]:
+            by_path.setdefault(c["path"], []).append(c)
+        for path, cs in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
+            host = sorted(c["host_ms"] for c in cs)[len(cs) // 2]
+            gpu = sorted(c.get("gpu_ms", 0.0) for c in cs)[len(cs) // 2]
+            print(f"  path {path}: {len(cs)} batches, median host {host:.3f} ms, median gpu {gpu:.3f} ms")
         for c in sorted(row["trace"]["calls"], key=lambda c: -c.get("gpu_ms", 0))[:5]:
             print(f"  slow batch: gpu {c.get('gpu_ms')} ms, host {c['host_ms']} ms, captured {c['captured']},"
                   f" {c['path']}: {c.get('ran')}")  # fmt: skip
