@@ -219,43 +219,6 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
     assert rt.graphs.stats().captures == 2  # the mask graph, then the cuBLAS graph at the bucket's n-th sight
 
 
-def test_a_new_shapes_read_batch_replays_a_kept_mask_graph_that_serves_its_width():
-    """A new mask shape's first batch reads its lengths; where the read path's cuBLAS graph is not captured for
-    its bucket, the mask graph another shape of its batch size keeps, of a width that serves it (up to 2x), runs
-    it (`_bucket_keeper`): no eager run, no capture, the same function; the record names the mask graph."""
-    from autoragged._buckets import mask_width
-
-    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
-    rt = enc._autoragged
-    rt.mask_rungs = False
-    head = D // H
-    planner = Planner(rt.sig, _Backends(), lambda s: [Arm("ragged_graph", graph_config(head, s.max_len, b))
-                                                      for b in ("cublas", "triton")])  # fmt: skip
-    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
-    x, mask = batch([60, 17, 33, 1])
-    mask_arm = Arm("ragged_graph", graph_config(head, 60, "triton"))
-    bucket = (4, mask_width(60))
-    entry = rt.mask_shapes[rt._shape_key(4, 60)] = dispatch._shape_entry(dispatch._TRUST, mask_arm, {}, bucket=bucket)
-    rt.sync_samples.append(0.05)
-    lengths = [40, 12, 33, 5]
-    x2, mask2 = batch(lengths, seed=1)
-    assert mask_width(40) < bucket[1] <= 2 * mask_width(40) and rt._shape_key(4, 40) != rt._shape_key(4, 60)
-    with torch.inference_mode():
-        enc(x, src_key_padding_mask=mask)  # trusted: the mask graph is captured (first sight) and kept
-        assert entry[6] is not None and rt.graphs.stats().captures == 1
-        y = enc(x2, src_key_padding_mask=mask2)  # a new shape: it reads, and its cuBLAS bucket is at first sight
-        want = rt.body.base.forward(enc, x2, None, mask2, None)
-    decision = autoragged.recent_decisions(enc, 1)[0]
-    assert dispatch.STOOD_IN in decision.reason and decision.config["backend"] == "triton"
-    assert rt.mask_shapes[rt._shape_key(4, 40)][6] is None and rt.graphs.stats().captures == 1
-    torch.testing.assert_close(y[~mask2].float(), want[~mask2].float(), rtol=1e-2, atol=1e-2)
-    entry[5]["lost"] = True  # a mask graph measured slower stands in for nothing
-    x3, mask3 = batch([40, 10, 3, 2], seed=2)
-    with torch.inference_mode():
-        enc(x3, src_key_padding_mask=mask3)
-    assert dispatch.STOOD_IN not in autoragged.recent_decisions(enc, 1)[0].reason
-
-
 def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one():
     """`_warm_mask_graphs`: a batch size with a mask graph kept gets one for each other length bucket its warm
     batches reached that no kept graph serves (up to 2x wider), whatever the verdicts of their shapes; the

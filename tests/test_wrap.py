@@ -491,39 +491,6 @@ def test_a_mask_graph_with_cublas_rungs_is_judged_as_the_cublas_graph():
     assert rt._mask_graph_ms(predicted, mask_arm) == 0.6  # no cuBLAS graph predicted: its own
 
 
-def test_a_read_batch_of_a_new_shape_finds_the_kept_mask_graph_that_serves_it():
-    """`_bucket_keeper`: the shape entry keeping the narrowest ragged mask graph of the same batch size whose width
-    serves the shape's (its own to 2x), not measured slower; None where none does."""
-    from autoragged._costmodel import Arm
-    from autoragged._planner import graph_config
-    from autoragged.runtime import unread
-
-    rt = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
-    mask_arm = Arm("ragged_graph", graph_config(16, 40, "triton"))
-
-    def keeping(B, width, arm=mask_arm, kept=True):
-        entry = unread._shape_entry(unread._TRUST, arm, capacity=B * width, bucket=(B, width))
-        entry[6] = ("a graph's weak reference", 0, "why", "device") if kept else None
-        rt.mask_shapes[(B, width, "test")] = entry
-        return entry
-
-    new = unread._shape_entry(bucket=(8, 48))
-    assert rt._bucket_keeper(new) is None  # nothing kept
-    keeping(8, 128)  # past 2x: does not serve width 48
-    keeping(4, 64)  # another batch size
-    keeping(8, 64, kept=False)  # its graph is not kept
-    keeping(8, 64, arm=autoragged._costmodel.PADDED_GRAPH)  # not a ragged mask graph
-    assert rt._bucket_keeper(new) is None
-    wide = keeping(8, 96)
-    assert rt._bucket_keeper(new) is wide
-    narrow = keeping(8, 48)
-    assert rt._bucket_keeper(new) is narrow  # the narrowest that serves
-    narrow[5]["lost"] = True
-    assert rt._bucket_keeper(new) is wide
-    rt.mask_lost.add((8, 96))
-    assert rt._bucket_keeper(new) is None and rt._bucket_keeper(unread._shape_entry()) is None  # (no bucket)
-
-
 def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     """Where the prior predicts (no calibration) and probes run, a mask graph predicted to lose by less than
     _EXPLORE wins its verdicts, once the shape's reads have cost _EXPLORE_AFTER_MS (in a stream at its first close

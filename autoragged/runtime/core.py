@@ -303,9 +303,9 @@ class Runtime(UnreadShapes):
         policy_plan = plan if self.capture_policy else None
         stand_in = None  # (not for an explored arm: its run is to time it)
         if mask_only and free and arm == plan.arm and arm.graph and arm.ragged and not arm.mask_only:
-            stand_in = self._stand_in(module, call, shape)  # (graph, inputs, the shape entry keeping it)
+            stand_in = self._stand_in(module, call, shape)
             if stand_in is not None:
-                stand_in = (*stand_in, self._stand_in_costs(plan, arm, stand_in[2]))
+                stand_in = (*stand_in, self._stand_in_costs(plan, arm, shape))
         if mask_only:
             t_exec = time.perf_counter()
         out, note = self._execute(module, call, arm, lens, stats, not_prefix, policy_plan, stand_in)
@@ -325,7 +325,7 @@ class Runtime(UnreadShapes):
         if sampled and graphs is not None and graphs.captures != captures:
             sampled = False  # this call captured a graph: its time is not the arm's latency
         if note:  # a graph arm ran eagerly this time, or the shape's mask graph: record what really ran, and why
-            record.arm = stand_in[2][1] if stood_in else self._fallback(arm, policy_plan, call) if arm.graph else arm
+            record.arm = shape[1] if stood_in else self._fallback(arm, policy_plan, call) if arm.graph else arm
             record.reason = f"{why}; {note}"
             probe = None  # not how the shape runs once its graph is captured
         if graphs is not None and graphs.evicted_note:  # captured in this call, evicting others to keep it
@@ -510,8 +510,8 @@ class Runtime(UnreadShapes):
             costs = None
             if plan is not None and plan.eager is not None and arm.label in plan.predicted_ms:
                 costs = (plan.eager_ms, plan.predicted_ms[arm.label])
-            if stand_in is not None and stand_in[3] is not None:
-                costs = stand_in[3]  # the capture pays only by what it saves over the stand-in's replays
+            if stand_in is not None and stand_in[2] is not None:
+                costs = stand_in[2]  # the capture pays only by what it saves over the stand-in's replays
             min_seen = max(_STAND_IN_SIGHTS, self.graphs.min_seen) if stand_in is not None else None
             out, note = self._execute_graph(module, call, arm, lens, stats, not_prefix, costs, min_seen)
             if note is None:
@@ -520,7 +520,7 @@ class Runtime(UnreadShapes):
 
             # (a capture deferred by this lookup still follows: it is made once the stand-in's replay is queued)
             if stand_in is not None and note in (FIRST_SIGHT, RARE, NOT_WORTH, CAPTURE_NEXT):
-                graph, inputs = stand_in[0], stand_in[1]
+                graph, inputs, _ = stand_in
                 out = (
                     graph.run_mask(call.x, call.kpm)
                     if inputs is None

@@ -380,39 +380,15 @@ class UnreadShapes:
         return self._unread_done(record, pads, width, B, L, out)
 
     def _stand_in(self, module, call, shape: list):
-        """(the kept mask graph, the call's graph inputs, the shape entry keeping it) for a batch of the shape that
-        read its lengths (see _STAND_IN_SIGHTS), or None: no mask graph that serves the shape is kept, it was
-        measured slower, or it cannot take this call. The shape's own graph; else, for a shape whose batches
-        still read (a new one: its first batch reads), the graph another shape of its batch size keeps whose
-        width serves this one (`_bucket_keeper`). Without it a new shape's first batch ran the read path's arm,
-        and where that arm's bucket was not captured, eagerly: a 6.1 ms batch (GPU) in a CoRa CoLA B=32 stream
-        whose replays took 0.24 ms, 9.1 ms in bert-base's whose replays took 0.70 (H100, 2026-11-26,
-        `vt_{cora,bert}_short_h100.json`)."""
-        if shape[5]["lost"] or self.graphs is None or shape[9] in self.mask_lost:
+        """(the shape's kept mask graph, the call's graph inputs) for a batch of the shape that read its lengths
+        (see _STAND_IN_SIGHTS), or None: the shape's arm is not the mask graph, measured slower, or its graph is
+        not kept or cannot take this call."""
+        if shape[6] is None or not shape[1].mask_only or shape[5]["lost"] or self.graphs is None:
             return None
-        kept = shape if shape[6] is not None and shape[1].mask_only else self._bucket_keeper(shape)
-        if kept is None:
+        if shape[9] in self.mask_lost:
             return None
         self.graphs._check_params(self._parameters(module))
-        found = self._kept_graph(call, kept)
-        return None if found is None else (*found, kept)
-
-    def _bucket_keeper(self, shape: list) -> list | None:
-        """The shape entry keeping the narrowest ragged mask graph that serves `shape`'s batches (its batch size,
-        its mask width to 2x that: `GraphCache.mask_serving`), of a bucket not measured slower, or None. A scan of
-        the shapes, only on a read whose arm's graph is not captured, where the other choice is an eager run."""
-        if shape[9] is None:
-            return None
-        B, width = shape[9]
-        best = None
-        for entry in self.mask_shapes.values():
-            bucket = entry[9]
-            if bucket is None or bucket[0] != B or not width <= bucket[1] <= 2 * width or entry[6] is None:
-                continue
-            if entry[1].mask_only and entry[1].ragged and not entry[5]["lost"] and bucket not in self.mask_lost:
-                if best is None or bucket[1] < best[9][1]:
-                    best = entry
-        return best
+        return self._kept_graph(call, shape)
 
     def _kept_graph(self, call, shape: list):
         """(the graph shape[6] keeps, the call's graph inputs or None) where it is still cached and can replay
