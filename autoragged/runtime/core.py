@@ -141,7 +141,8 @@ class Runtime(UnreadShapes):
         #           tiles for them), the probe: {"read": ms of timed read-path runs, "unread": ms of timed
         #           unread runs, "left": unread runs still to time, "lost": the unread arm measured slower,
         #           "confirmed": it measured faster, "paid": ms the shape's reads cost (`read_cost_ms` each),
-        #           "explored": trusted to be timed, not predicted to win (see unread._EXPLORE)},
+        #           "explored": trusted to be timed, not predicted to win (see unread._EXPLORE), "weighed":
+        #           a stream weighed exploring it (once)},
         #           the graph the arm replays once captured, for `_replay_unread`: None, or (a weak reference
         #           to it, the GraphCache generation it was seen in, the record's reason, the device key),
         #           the record of the first unread batch since the last verdict (`_one_behind`) or None,

@@ -282,8 +282,8 @@ class UnreadShapes:
     ) -> list:
         """The verdict of `_judge_shape` on `entry`. explore (`_explores`): a mask graph predicted to lose by
         less than _EXPLORE, of a shape whose read costs _EXPLORE_SHARE of its batch or more and whose reads cost
-        _EXPLORE_AFTER_MS (in a stream: at once), wins while the shape's probes have not timed it, so that they
-        do."""
+        _EXPLORE_AFTER_MS (in a stream: at its first close verdict there, and only then), wins while the shape's
+        probes have not timed it, so that they do."""
         unread = {k: v for k, v in predicted.items() if k in ("padded", "padded_graph")}
         mask_label = mask_arm.label if mask_arm is not None else None
         # the arms the read path may run (the planner never runs the mask arm on read lengths: Arm.mask_only)
