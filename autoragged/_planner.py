@@ -34,9 +34,10 @@ __all__ = ["Plan", "Planner", "default_ragged_config", "graph_config", "GRAPH_BA
 # ran in 1-4 (CoLA B=32, MNLI B=128 after `warmup()`, H200, 2026-11-26, `benchmarks/stream_table.py
 # --fresh-process --models bert-base`); warm, HF's padded forward takes 6-11x the graph arm's time on those rows.
 # Within 2x, the prior (which has HF's padded forward at 1.2-2.4x the best ragged arm on bert-base's 24 CoRa rows,
-# where it measures 1.3-8x) had the planner run it on long rows too: in the timed stream of bert-base RACE B=64,
-# after a 24-batch warm-up (the first sampled batch is the 32nd), its first run there took 549 ms and a later one
-# 60, against 11.5 ms a batch for the stream (H100, 2026-11-26, `benchmarks/verdict_trace.py`, `vt_long64_h100.json`).
+# where it measures 1.3-6.1x in the latency table) had the planner run it on long rows too: in the timed stream of
+# bert-base RACE B=64, after a 24-batch warm-up (the first sampled batch is the 32nd), its first run there took 549
+# ms and a later one 60, against 11.5 ms a batch for the stream (H100, 2026-11-26, `benchmarks/verdict_trace.py`,
+# `vt_long64_h100.json`).
 _EXPLORE_WITHIN = 1.3
 _CACHE_SIZE = 4096
 # A bucket's measured latency of an arm is the median of its last _WINDOW samples, once it has min_samples:

@@ -74,7 +74,7 @@ _PROBES = 3
 # time from run to run, as their exploring landed before or inside the timed stream
 # (`stream_table_bert_full_explore{,2}_h100.json`). A trace of the timed stream itself showed why: a stream weighed
 # the share at every close verdict, and the read's cost moves with the host (RACE B=64: 0.27-0.57 ms in the warm-up,
-# 3-4% of its 14.9 ms prediction; 0.63 ms, 0.54 of it host time, at the 31st timed batch, which then explored: a
+# 2-4% of its 14.3-14.9 ms predictions; 0.63 ms, 0.54 of it host time, at the 31st timed batch, which then explored: a
 # capture and a lost probe inside the stream; SQuAD B=64 explored four times; `vt_long64_h100.json`, H100,
 # 2026-11-26). So a stream weighs a shape once, at its first close verdict there, and a shape it weighed and left
 # is not explored later by the rent either.
