@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import gc
 import json
 import pathlib
+import pstats
 import sys
 import time
 
@@ -114,12 +116,17 @@ def _read_cost(value: float | None):
         unread.UnreadShapes.read_cost_ms = original
 
 
-def traced_stream(model, batches, hf: bool, device=None) -> tuple[float, list[dict]]:
-    """The batches, mask-only, back to back as `run_stream` runs them (one synchronisation before, one after):
+def traced_stream(
+    model, batches, hf: bool, device=None, lengths: bool = False, profile: dict | None = None
+) -> tuple[float, list[dict]]:
+    """The batches, mask-only (with `lengths=` where `lengths`), back to back as `run_stream` runs them (one
+    synchronisation before, one after):
     per call its path, host ms, captures and, on a GPU, the time between its events and the previous batch's
-    (its kernels, and idle while the host was behind). Returns (seconds, calls)."""
+    (its kernels, and idle while the host was behind). `profile`: a dict that gets, per path, the cProfile
+    stats of its calls (the profiler slows the host, so the stream's times then count for little). Returns
+    (seconds, calls)."""
     calls = []
-    call = _caller(model, hf)
+    call = _caller(model, hf, lengths)
     cuda = device is not None and device.type == "cuda"
     # the runtimes' capture counts, read per call (walking the model's modules per call cost the host enough to
     # slow the short rows' streams)
@@ -136,9 +143,19 @@ def traced_stream(model, batches, hf: bool, device=None) -> tuple[float, list[di
     for i, b in enumerate(batches):
         TRACE["path"] = "?"
         before = captures()
+        prof = cProfile.Profile() if profile is not None else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         call(b)
+        if prof is not None:
+            prof.disable()
         host = (time.perf_counter() - t0) * 1e3
+        if prof is not None:
+            if TRACE["path"] in profile:
+                profile[TRACE["path"]].add(prof)
+            else:
+                profile[TRACE["path"]] = pstats.Stats(prof)
         if cuda:
             events[i + 1].record()
         calls.append({"path": TRACE["path"], "host_ms": round(host, 3), "max_len": b.stats.max_len,
@@ -155,7 +172,7 @@ def traced_stream(model, batches, hf: bool, device=None) -> tuple[float, list[di
     return seconds, calls
 
 
-def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: int = 64) -> dict:
+def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: int = 64, profile=None) -> dict:
     hf = hasattr(plain, "config")  # else the CoRa encoder (nn.TransformerEncoder)
     family = "hf" if hf else "cora"
     width = plain.config.hidden_size if hf else plain.layers[0].self_attn.embed_dim
@@ -175,9 +192,13 @@ def run_row(plain, dataset: str, batch: int, device, n_warm: int = 24, n_timed: 
                 call(b)
             TRACE["timed"] = True
             before = _graph_totals(model)
-            if col == "auto":  # the timed stream itself, traced call by call (no synchronisation between calls)
-                seconds, calls = traced_stream(model, timed, hf, device)
-                row["trace"] = {"calls": calls, "verdicts": TRACE["verdicts"]}
+            if col in ("auto", "auto_lengths"):  # the timed stream itself, traced call by call (no sync between)
+                prof = profile if col == "auto" else None
+                seconds, calls = traced_stream(model, timed, hf, device, lengths, prof)
+                if col == "auto":
+                    row["trace"] = {"calls": calls, "verdicts": TRACE["verdicts"]}
+                else:
+                    row["trace_lengths"] = {"calls": calls}
             else:
                 seconds = run_stream(call, timed, device)
             after = _graph_totals(model)
@@ -207,6 +228,11 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=64, help="timed batches (default 64, as stream_table.py)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="a tiny model (2 layers, width 64): the CPU smoke run")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the auto column's calls (cProfile), print each path's costliest functions",
+    )
     p.add_argument("--out", help="JSON path (default benchmarks/results/verdict_trace.json)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -214,7 +240,8 @@ def main(argv=None) -> int:
     rows = []
     for dataset, b in args.rows:
         with _patched():
-            row = run_row(plain, dataset, b, device, args.warm, args.batches)
+            profile = {} if args.profile else None
+            row = run_row(plain, dataset, b, device, args.warm, args.batches, profile)
         rows.append(row)
         for col in ("auto", "always_mask", "always_read", "auto_lengths"):
             print(f"{dataset} B={b} {col}: {json.dumps(row[col])}")
@@ -224,16 +251,25 @@ def main(argv=None) -> int:
             f"  sequence (r replay fed the mask, u unread run, c/t/p read then cuBLAS/Triton graph or eager/padded,"
             f" * captured): {seq}"
         )
-        by_path: dict[str, list] = {}
-        for c in row["trace"]["calls"]:
-            by_path.setdefault(c["path"], []).append(c)
-        for path, cs in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
-            host = sorted(c["host_ms"] for c in cs)[len(cs) // 2]
-            gpu = sorted(c.get("gpu_ms", 0.0) for c in cs)[len(cs) // 2]
-            print(f"  path {path}: {len(cs)} batches, median host {host:.3f} ms, median gpu {gpu:.3f} ms")
-        for c in sorted(row["trace"]["calls"], key=lambda c: -c.get("gpu_ms", 0))[:5]:
-            print(f"  slow batch: gpu {c.get('gpu_ms')} ms, host {c['host_ms']} ms, captured {c['captured']},"
-                  f" {c['path']}: {c.get('ran')}")  # fmt: skip
+        for name in ("trace", "trace_lengths"):
+            calls = row[name]["calls"]
+            gpu_total = sum(c.get("gpu_ms", 0.0) for c in calls)
+            print(f"  {'auto (mask)' if name == 'trace' else 'auto (lengths=)'}: gpu {gpu_total:.2f} ms in all")
+            by_path: dict[str, list] = {}
+            for c in calls:
+                by_path.setdefault(c["path"], []).append(c)
+            for path, cs in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
+                host = sorted(c["host_ms"] for c in cs)[len(cs) // 2]
+                gpu = sorted(c.get("gpu_ms", 0.0) for c in cs)[len(cs) // 2]
+                total = sum(c.get("gpu_ms", 0.0) for c in cs)
+                print(f"    path {path}: {len(cs)} batches, median host {host:.3f} ms, median gpu {gpu:.3f} ms,"
+                      f" gpu {total:.2f} ms in all")  # fmt: skip
+            for c in sorted(calls, key=lambda c: -c.get("gpu_ms", 0))[:4]:
+                print(f"    slow batch: gpu {c.get('gpu_ms')} ms, host {c['host_ms']} ms, captured {c['captured']},"
+                      f" max_len {c['max_len']}, {c['path']}: {c.get('ran')}")  # fmt: skip
+        for path, st in (profile or {}).items():
+            print(f"  profile of path {path} ({st.total_calls} function calls):")
+            st.sort_stats("cumulative").print_stats(22)
         for v in row["trace"]["verdicts"][:40]:
             print(
                 f"  verdict at {v['call']} (-1: warm-up): mask {v['mask']} vs {v['best']} {v['best_ms']}"
