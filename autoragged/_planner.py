@@ -13,6 +13,7 @@ batch to try.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import OrderedDict, deque
@@ -66,6 +67,7 @@ class Plan:
     mask_arm: Arm | None = None
 
 
+@functools.lru_cache(maxsize=4096)  # a plan's candidates, per bucket: made afresh, 150 of a plan's 260 us on a CPU
 def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
     """The ragged arm's config before any tuning: the attention kernel's default tiles, packed layout,
     cuBLAS linears (cuBLAS beat our Triton linear at large T on the H100, benchmarks/kernels.py)."""
@@ -78,6 +80,7 @@ def default_ragged_config(head_dim: int, max_len: int) -> KernelConfig:
 GRAPH_BACKENDS = ("cublas", "triton")
 
 
+@functools.lru_cache(maxsize=4096)
 def graph_config(head_dim: int, max_len: int, backend: str) -> KernelConfig:
     """The config of the ragged graph arm with linears of `backend` (one of GRAPH_BACKENDS)."""
     return default_ragged_config(head_dim, max_len).replace(backend=backend)
