@@ -516,14 +516,14 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     assert rt._judge_shape(8, 40, close, mask_arm)[0] == 0  # not exploring: the prediction decides
     assert rt._judge_shape(8, 40, far, mask_arm, explore=True)[0] == 0
     entry = rt._judge_shape(8, 40, close, mask_arm, explore=True)
-    assert entry[:2] == [1, mask_arm] and entry[5]["explored"]
+    assert entry[:2] == [rt.trust, mask_arm] and entry[5]["explored"]  # trusted at once, for the probes
 
     class _CudaMask:
         is_cuda = True
 
     assert not rt._read_known(entry, _CudaMask())  # its read path is not timed yet
     entry[5]["unread"].append(0.55)  # one timing is not a verdict yet
-    assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 2
+    assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == rt.trust + 1
     entry[5]["unread"].append(0.6)
     assert rt._judge_shape(8, 40, close, mask_arm, explore=True)[0] == 0  # timed: no more exploring
     rt._probe_result(entry[5], 8, 40, "read", 0.4)  # 0.55 > 0.4 + 0.1: lost
@@ -532,7 +532,14 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
     # _EXPLORE_SHARE of the batch, never (what exploring can win is the read)
     rt.pipelined = True
     assert rt.read_cost_ms == 0.1
-    assert rt._judge_shape(4, 40, close, mask_arm, explore=True)[:2] == [1, mask_arm]  # (another bucket: not lost)
+    assert rt._judge_shape(4, 40, close, mask_arm, explore=True)[:2] == [rt.trust, mask_arm]  # (not lost: B=4)
+    # weighed once, yet on trial until timed: its next close verdicts keep it trusted (a stream's explored shape
+    # fell back at its next verdict before, and never ran the mask graph to be timed)
+    assert rt._judge_shape(4, 40, close, mask_arm, explore=True)[:2] == [rt.trust + 1, mask_arm]
+    trial = rt.mask_shapes[rt._shape_key(4, 40)][5]
+    trial["unread"] += [0.45, 0.5]
+    rt._probe_result(trial, 4, 40, "read", 0.4)  # 0.45 <= 0.4 + 0.1: confirmed, kept whatever predicted
+    assert trial["confirmed"] and rt._judge_shape(4, 40, far, mask_arm, explore=True)[0] == rt.trust + 2
     long = {"padded": 9.0, cublas.label: 3.0, mask_arm.label: 3.3}  # close, but 0.1 is 3% of 3.0: not explored
     for _ in range(reads + 1):
         assert rt._judge_shape(2, 40, long, mask_arm, explore=True)[0] == 0
@@ -552,7 +559,7 @@ def test_a_close_verdict_from_the_prior_is_left_to_the_probes():
         assert rt._judge_shape(1, 40, long, mask_arm, explore=True)[0] == 0
     assert not rt.mask_shapes[rt._shape_key(1, 40)][5]["explored"]
     rt.pipelined = True
-    assert rt._judge_shape(3, 40, long, mask_arm, explore=True)[:2] == [1, mask_arm]  # another shape: weighed anew
+    assert rt._judge_shape(3, 40, long, mask_arm, explore=True)[:2] == [rt.trust, mask_arm]  # weighed anew
     cpu = torch.device("cpu")
     rt._plan(cpu, autoragged.tuning_db.BatchStats.from_lengths((40, 20)), None)
     assert rt.planners[cpu].model.name == "prior" and not rt._explores(cpu)  # no probes on a CPU

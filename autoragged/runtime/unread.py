@@ -306,12 +306,18 @@ class UnreadShapes:
             close = mask_label in unread and len(probe["unread"]) < 2 and unread[mask_label] <= read_ms * _EXPLORE
             if explore and close:  # from the prior: the probes would time it and settle the shape
                 # in a stream, weighed once, at the shape's first close verdict there; with calls synchronised,
-                # once its reads paid the rent (unless a stream weighed it)
+                # once its reads paid the rent (unless a stream weighed it). Explored, it is trusted at once and
+                # stays on trial (`on_trial`) until its probes have timed it: weighed once and trusted after two
+                # verdicts, a stream's explored shape fell back at its next one and never ran the mask graph, so it
+                # read every batch (CoRa, SQuAD B=64, 1.49 ms a batch where the mask graph took 1.41; H100,
+                # 2026-11-26, `vt3_cora_short_h100.json`)
+                on_trial = probe["explored"]
                 weigh = not probe["weighed"] and (self.pipelined or probe["paid"] >= _EXPLORE_AFTER_MS)
                 probe["weighed"] = probe["weighed"] or self.pipelined
-                if weigh and cost >= _EXPLORE_SHARE * (read_ms - cost):
+                if on_trial or (weigh and cost >= _EXPLORE_SHARE * (read_ms - cost)):
                     wins, best = True, mask_label
                     probe["explored"] = True
+                    entry[0] = max(entry[0], self.trust - 1)
         if wins and not probe["lost"]:
             entry[0] += 1
             arm = {"padded": PADDED, "padded_graph": PADDED_GRAPH}.get(best, mask_arm) if best else entry[1]
