@@ -14,7 +14,7 @@ from .kernels._config import next_pow2  # (kernels._config imports neither torch
 
 __all__ = [
     "ladder", "ragged_bucket", "padded_bucket", "mask_width", "mask_rungs", "mask_rungs_fit", "mask_tokens",
-    "cublas_rows", "LADDER_VERSION",
+    "widen_mask", "cublas_rows", "LADDER_VERSION",
 ]  # fmt: skip
 
 # Bumped whenever a bucket function changes: graph-arm measurements taken under another ladder describe
@@ -56,6 +56,29 @@ def mask_width(seq_len: int) -> int:
     (MNLI B=32, after 24 warm-up batches) still met two new buckets: 53 ms of captures in 112 ms (H200,
     2026-11-25, `benchmarks/stream_table.py --quick --models bert-base`)."""
     return ladder(seq_len, floor=16, multiple=16, steps=2)
+
+
+def widen_mask(top: list[int] | None, width: int, narrowest: int, batch: int) -> int:
+    """The width of a new mask graph of `batch` rows (`GraphCache.ragged_mask`): `width`, or the next
+    `mask_width` rung where the widest padded length this batch size has brought (`top`: [that length, the
+    batches that had it, the batches]) fills the top quarter of `width` and is no cap (fewer than max(2, a
+    quarter) of the batches reach it: a tokenizer's max_length pads every batch to it, and none comes wider);
+    at most 2x `narrowest` (the batch's own width: a graph serves batches up to 2x narrower) and _RUNG_CAPACITY
+    rows (the short rows, where a read costs a large share of a batch, fit; a long row's graph holds GBs).
+    The widest of n batches is passed by the next with probability near 1/(n+1), so a stream soon brings a
+    batch past a graph whose width its longest batch fills. A graph of the next width serves that batch, where
+    the narrower one's shape reads its lengths and runs its read path eagerly, at first sight of its bucket:
+    CoRa, CoLA B=32, widths reached 20-32 in the warm-up, and the stream's first L of 33 took 6.9 ms of GPU
+    time against 0.24 a batch (H100, 2026-11-26, `vt2_cora_short_h100.json`). The graph is made at a shape's
+    third batch, so the bound is a quarter, not less: an eighth missed that stream's first batches. The spare
+    columns cost the graph's embedding step and memory, not the layers' work."""
+    if top is None:
+        return width
+    longest, at_top, seen = top
+    if longest > width or 4 * longest < 3 * width or at_top >= max(2, seen / 4):
+        return width
+    wider = mask_width(width + 1)
+    return wider if wider <= 2 * narrowest and batch * wider <= _RUNG_CAPACITY else width
 
 
 # mask_rungs: the batches of one mask graph (B, mask_width) fill rows around the judged batch's; the fine rungs

@@ -219,13 +219,62 @@ def test_a_read_batch_of_a_mask_graph_shape_replays_that_graph_until_its_own_buc
     assert rt.graphs.stats().captures == 2  # the mask graph, then the cuBLAS graph at the bucket's n-th sight
 
 
-def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one():
+class _MaskWins:
+    """Predicts the mask graph (Triton linears) at 0.5 ms, anything else at 2."""
+
+    name = "fake"
+
+    def predict_ms(self, sig, stats, arms):
+        return [0.5 if a.mask_only else 2.0 for a in arms]
+
+
+def test_a_stream_past_its_widest_batch_so_far_stays_on_the_mask_graph_without_a_read():
+    """The mask graph a trusted shape captures is a rung wider where its batch size's longest batches fill its
+    width (`widen_mask`: 48 for lengths up to 31), and in a stream (the host ahead of the GPU) the first batch past
+    32, of a new shape that graph serves, takes the trusted shape's verdict (`_adopt`): it neither reads its
+    lengths nor synchronises, and neither do the batches judged again one batch behind, which replay the kept
+    graph; outputs stay right."""
+    enc = autoragged.wrap(encoder(), db=False, sample_every=0)
+    rt = enc._autoragged
+    head = D // H
+    planner = Planner(rt.sig, _MaskWins(), lambda s: [Arm("ragged_graph", graph_config(head, s.max_len, b))
+                                                      for b in ("cublas", "triton")])  # fmt: skip
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    g = torch.Generator().manual_seed(0)
+    widths = [29, 31, 30, 27, 31, 33, 30, 40, 29, 31, 30, 28, 27, 31, 29, 33, 30, 26, 31, 29, 28, 30]
+    with torch.inference_mode():
+        for i, L in enumerate(widths):
+            lengths = torch.randint(1, L + 1, (8,), generator=g)
+            lengths[0] = L
+            x, mask = batch(lengths.tolist(), seed=i)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)  # the GPU busy: the host runs ahead of it, as in a stream
+            if i >= 3:  # trusted after two reads, its graph captured at the third batch
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = enc(x, src_key_padding_mask=mask)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = rt.body.base.forward(enc, x, None, mask, None)
+            torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+    decisions = autoragged.recent_decisions(enc, len(widths))
+    assert all("not read" in d.reason for d in decisions[2:])
+    assert [k[3] for k in rt.graphs.graphs] == [48]  # one mask graph, a rung wider than the first batches'
+    assert rt.mask_shapes[rt._shape_key(8, 33)][0] >= dispatch._TRUST  # adopted at its first batch
+    judged = [e for e in rt.mask_shapes.values() if e[0] > dispatch._TRUST]
+    assert judged  # judged again (and kept) one batch behind along the way
+
+
+def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one(monkeypatch):
     """`_warm_mask_graphs`: a batch size with a mask graph kept gets one for each other length bucket its warm
     batches reached that no kept graph serves (up to 2x wider), whatever the verdicts of their shapes; the
     shapes' verdicts and the batch counter are put back (a new shape is judged by traffic); the output stays
-    the model's."""
+    the model's. (Graphs a rung wider, `widen_mask`, are the stream test's above: each graph here as wide as
+    its batches.)"""
     from autoragged import _warmup
     from autoragged._buckets import mask_width
+
+    monkeypatch.setattr(_graphs, "widen_mask", lambda top, width, own, batch: width)
 
     enc = autoragged.wrap(encoder(), db=False, sample_every=0)
     rt = enc._autoragged

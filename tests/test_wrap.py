@@ -635,6 +635,79 @@ def test_a_mask_graph_timed_faster_on_one_shape_wins_its_buckets_other_shapes_at
     assert rt._judge_shape(8, 140, lose, mask_arm)[0] == rt.trust + 1  # the timed shape keeps its own timing
 
 
+def test_a_new_shape_served_by_a_trusted_shapes_kept_mask_graph_starts_on_its_verdict():
+    """A mask shape's first batch in a stream (the host ahead), where a trusted shape of its batch size keeps a mask
+    graph that serves this batch's width (up to 2x wider) and was not timed slower nor is on trial, enters trusted
+    on that verdict (`_adopt`): it runs unread, no read. Without such a graph, another batch size, a lost bucket, a shape on
+    trial or a graph gone from the cache: no adoption, the shape is judged as before."""
+    import weakref
+
+    from autoragged._costmodel import Arm
+    from autoragged._planner import graph_config
+    from autoragged.runtime import graphs as _graphs
+
+    rt = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
+    rt.sync_samples.append(0.1)
+    rt.graphs = _graphs.GraphCache()
+    rt.pipelined = True  # a stream: the host ahead of the GPU
+    mask_arm = Arm("ragged_graph", graph_config(32, 40, "triton"))
+    wins = {"padded": 2.0, "ragged_graph:x": 0.4, mask_arm.label: 0.3}
+    for _ in range(rt.trust):
+        trusted = rt._judge_shape(8, 30, wins, mask_arm, 200)
+
+    class _Graph:
+        width = 48
+
+    graph = _Graph()
+    trusted[6] = (weakref.ref(graph), rt.graphs.generation, "why", None)
+    key = rt._shape_key(8, 33)
+    assert key != rt._shape_key(8, 30) and key not in rt.mask_shapes
+    rt.pipelined = False
+    assert rt._adopt(8, 33) is None  # calls synchronised: a read costs only itself, the shape is judged alone
+    rt.pipelined = True
+    new = rt._adopt(8, 33)  # width 48: the kept graph serves it
+    assert new is rt.mask_shapes.pop(key) and new[:5] == [rt.trust, mask_arm, 0, wins, 200]
+    assert new[9] == (8, 48) and new[6] is None and new[5]["left"] == 3  # its own graph reference and probes
+    assert rt._adopt(8, 16) is None  # width 16: past 2x
+    assert rt._adopt(4, 33) is None  # another batch size
+    rt.mask_lost.add((8, 32))
+    assert rt._adopt(8, 33) is None  # the trusted shape's bucket was timed slower
+    rt.mask_lost.clear()
+    trusted[5]["explored"] = True
+    assert rt._adopt(8, 33) is None  # on trial: explored, not confirmed yet
+    trusted[5]["confirmed"] = True
+    assert rt._adopt(8, 33) is not None
+    rt.mask_shapes.pop(key)
+    del graph
+    assert rt._adopt(8, 33) is None and key not in rt.mask_shapes  # the graph left the cache
+    graph = _Graph()
+    trusted[6] = (weakref.ref(graph), rt.graphs.generation - 1, "why", None)
+    assert rt._adopt(8, 33) is None  # a graph of an older generation (the parameters moved since)
+    old = autoragged.wrap(make_encoder(), db=False, policy="auto", mask_reads="recheck")._autoragged
+    old.graphs = rt.graphs
+    old.mask_shapes = rt.mask_shapes
+    assert old._adopt(8, 33) is None  # the rule before: each (B, L) judged alone
+
+
+def test_a_new_mask_graph_is_a_rung_wider_where_its_longest_batches_fill_its_width():
+    """`widen_mask`: the next rung where the widest padded length seen fills the top quarter of the width and no
+    cap holds it there (a quarter of the batches, and at least two, at it); never past 2x the batch's own width
+    nor 16,384 rows."""
+    from autoragged._buckets import mask_width, widen_mask
+
+    assert (mask_width(32), mask_width(33), mask_width(128), mask_width(129)) == (32, 48, 128, 192)
+    assert widen_mask(None, 32, 32, 32) == 32
+    assert widen_mask([25, 1, 3], 32, 32, 32) == 48  # CoLA B=32: 25 of 32 at a shape's third batch
+    assert widen_mask([23, 1, 3], 32, 32, 32) == 32  # under 3/4 of the width
+    assert widen_mask([32, 2, 6], 32, 32, 32) == 32  # two of six batches at 32: a cap (max_length padding)
+    assert widen_mask([32, 2, 24], 32, 32, 32) == 48  # two of 24: a tail
+    assert widen_mask([128, 24, 24], 128, 128, 32) == 128  # every batch at 128: truncated there
+    assert widen_mask([120, 1, 10], 128, 64, 32) == 128  # 192 is past 2x the batch's own 64
+    assert widen_mask([127, 1, 10], 128, 96, 32) == 192
+    assert widen_mask([127, 1, 10], 128, 96, 128) == 128  # 128 x 192 rows: past 16,384
+    assert widen_mask([200, 1, 10], 128, 128, 32) == 128  # (a longest batch past the width: not this graph's)
+
+
 def test_the_mask_graph_stays_one_arm_for_a_shape_whose_batches_straddle_an_attention_tile():
     """The mask graph's attention tiles follow the batch's max_len (32 x 32 up to 32 tokens), and a mask
     shape's batches have different ones: a verdict for the mask graph with the other tiles is a verdict

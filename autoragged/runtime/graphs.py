@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._buckets import mask_rungs, mask_tokens, mask_width, padded_bucket, ragged_bucket
+from .._buckets import mask_rungs, mask_tokens, mask_width, padded_bucket, ragged_bucket, widen_mask
 from . import _cuda_if
 from .capture import _PaddedGraph, _RaggedGraph, event_done, event_pending, mask_pass, record_event
 
@@ -490,18 +490,24 @@ class GraphCache:
             # to 2x, and within the rows that keep the branches), so that it serves them too. SQuAD B=32's stream met
             # width 512 after its warm-up had captured 368: another capture, 164 ms of a 64-batch stream (HF
             # bert-base; H100, 2026-11-26)
+            own = width
             widths = (mask_width(k[1]) for k in getattr(runtime, "mask_shapes", ()) if k[0] == batch)
             wide = max((w for w in widths if w <= 2 * width), default=width)
             if wide > width and (not rungs or mask_rungs(tile_rows or 0, batch * wide)):
                 width = wide
-                base = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
+            # and a rung wider where its batch size's longest batches fill it (`widen_mask`); its cuBLAS branches
+            # reach the rows of the width before (their rungs over the spare rows were branches that batches
+            # rarely take, each one more conditional node a replay evaluates)
+            reach = batch * width
+            width = widen_mask(getattr(runtime, "mask_tops", {}).get(batch), width, own, batch)
+            base = ("ragged", batch * width, batch, width, config, causal, "mask", inputs)
             tokens = None
             if rungs:
                 # a new graph for the tokens' bucket (`mask_tokens`, 2 per octave), rungs centred on its geometric
                 # middle. Keyed by the bucket alone, a stream whose batches straddled two buckets captured a second
                 # graph mid-stream (HF bert-base, MNLI B=128: 4.2 ms a batch against 2.5; H200, 2026-11-26)
                 tokens = mask_tokens(tile_rows or 0)
-                rungs = mask_rungs(int(tokens / 2**0.25), batch * width)
+                rungs = mask_rungs(int(tokens / 2**0.25), reach)
             key = (*base, tokens)
         else:
             rungs = ()  # (a kept graph: nothing to make)

@@ -176,6 +176,55 @@ class UnreadShapes:
     def trust(self) -> int:
         return _TRUST_RECHECK if self.mask_reads == "recheck" else _TRUST
 
+    def _saw_mask(self, B: int, L: int) -> None:
+        """Count a mask-only batch of B rows padded to L in `mask_tops` (how wide a new mask graph is made)."""
+        top = self.mask_tops.get(B)
+        if top is None:
+            if len(self.mask_tops) >= _MAX_SHAPES:
+                self.mask_tops.clear()
+            self.mask_tops[B] = [L, 1, 1]
+        elif L > top[0]:
+            top[0], top[1], top[2] = L, 1, top[2] + 1
+        else:
+            top[1] += L == top[0]
+            top[2] += 1
+
+    def _adopt(self, B: int, L: int) -> list | None:
+        """A mask shape's first batch, where a trusted shape of its batch size runs the mask graph (not timed
+        slower, not on trial: `explored`) and that graph, kept, serves this batch's width: the new shape takes
+        that verdict (entered trusted) and runs unread on the graph, with no read; one batch behind it is
+        judged on its own stats (`_one_behind`). Without it each new shape read its mask once, and its read
+        path's graph bucket, at first sight, ran eagerly or captured inside the stream (CoRa, XNLI B=64: a
+        batch of L 103, a new shape beside L 110-127, all of mask width 128; CoLA B=32: L 33 after 20-32, 6.9
+        ms of GPU time against 0.24 a batch; H100, 2026-11-26, `vt2_cora_short_h100.json`). Only while the host
+        runs ahead of the GPU (`pipelined`), where a read drains the GPU: the new shape runs on a graph whose
+        cuBLAS branches were cut for the other shape's tokens (its own are not known unread), and with calls
+        synchronised, where a read costs only itself, a shape judged on its own got a graph fitted to its
+        batches: the benchmark of record's CoRa MNLI B=64 took 0.58 ms a call adopting, 0.47-0.56 judged (H100,
+        2026-11-26, `cora_ab3_*_h100.json`). None where no such shape is."""
+        if self.mask_reads == "recheck" or self.graphs is None or not self.pipelined:
+            return None
+        width = mask_width(L)
+        for entry in self.mask_shapes.values():
+            kept, probe = entry[6], entry[5]
+            if kept is None or entry[9] is None or entry[9][0] != B or entry[0] < self.trust:
+                continue
+            if not entry[1].mask_only or probe["lost"] or entry[9] in self.mask_lost:
+                continue
+            if probe["explored"] and not probe["confirmed"]:
+                continue
+            graph = kept[0]() if self.graphs.generation == kept[1] else None
+            if graph is None or not width <= graph.width <= 2 * width:
+                continue
+            key = self._shape_key(B, L)
+            if len(self.mask_shapes) >= _MAX_SHAPES:
+                return None
+            new = self.mask_shapes[key] = _shape_entry(
+                self.trust, entry[1], entry[3], entry[4], B * width, (B, width)
+            )  # fmt: skip
+            return new
+        return None
+
     def _shape_key(self, B: int, L: int) -> tuple[int, int]:
         """A mask-only shape: B and the padded bucket's length (the unread graphs' bucket), or (B, L) under
         mask_reads="recheck". Over 100 batches of each CoRa row but Wiki128 (whose lengths all reach 128), the
