@@ -265,6 +265,33 @@ def test_a_stream_past_its_widest_batch_so_far_stays_on_the_mask_graph_without_a
     assert judged  # judged again (and kept) one batch behind along the way
 
 
+def test_a_trusted_shapes_probe_runs_replay_on_the_hot_path_and_are_timed_there(monkeypatch):
+    """Once a trusted shape's mask graph is captured, its first `_PROBES` runs (timed for the probes) replay by
+    `_replay_unread`, with no graph lookup, and their timings reach the probe; outputs stay right."""
+    enc = autoragged.wrap(encoder(), db=False)
+    rt = enc._autoragged
+    head = D // H
+    planner = Planner(rt.sig, _MaskWins(), lambda s: [Arm("ragged_graph", graph_config(head, s.max_len, b))
+                                                      for b in ("cublas", "triton")])  # fmt: skip
+    rt.planners[torch.device("cuda")] = rt.planners[torch.device("cuda", torch.cuda.current_device())] = planner
+    lookups = []
+    real = _graphs.GraphCache.ragged_mask
+    monkeypatch.setattr(_graphs.GraphCache, "ragged_mask", lambda *a, **k: lookups.append(1) or real(*a, **k))
+    lengths = [40, 17, 33, 1]
+    x, mask = batch(lengths)
+    with torch.inference_mode():
+        want = rt.body.base.forward(enc, x, None, mask, None)
+        for _ in range(dispatch._TRUST + 1 + dispatch._PROBES):  # two reads, the capture, the probe runs
+            y = enc(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(y[~mask].float(), want[~mask].float(), rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()
+    rt._harvest(wait=True)
+    entry = rt.mask_shapes[rt._shape_key(4, 40)]
+    assert entry[0] >= dispatch._TRUST and entry[5]["left"] == 0
+    assert len(entry[5]["unread"]) == dispatch._PROBES and all(ms > 0 for ms in entry[5]["unread"])
+    assert len(lookups) == 1  # the capture's run alone took the general path
+
+
 def test_warmup_captures_the_mask_graph_of_every_length_bucket_of_a_batch_size_that_has_one(monkeypatch):
     """`_warm_mask_graphs`: a batch size with a mask graph kept gets one for each other length bucket its warm
     batches reached that no kept graph serves (up to 2x wider), whatever the verdicts of their shapes; the

@@ -390,10 +390,10 @@ class UnreadShapes:
         it on the mask, lengths never read. The record carries the predictions of the shape's last judged
         batch (of `tokens`). The shape's first `_PROBES` runs that replay (not capture) are timed for
         `_probe_result`, from after the call's prefetch, as the read path's runs are timed. Once the arm's
-        graph replays untimed, the entry keeps it for `_replay_unread`. `_READ` where the arm is the ragged
-        graph and it is not captured (yet): the batch takes the read path, whose arm the verdict ranked just
-        behind it, instead of the padded arm, which may be far behind (HF bert-base, CoLA B=32: 7 ms, the read
-        path 1.9; H100, 2026-11-24)."""
+        graph ran, the entry keeps it for `_replay_unread`, which times the rest of those runs itself. `_READ`
+        where the arm is the ragged graph and it is not captured (yet): the batch takes the read path, whose
+        arm the verdict ranked just behind it, instead of the padded arm, which may be far behind (HF bert-base,
+        CoLA B=32: 7 ms, the read path 1.9; H100, 2026-11-24)."""
         arm, predicted, tokens, probe = shape[1], shape[3], shape[4], shape[5]
         B, L = call.B, call.L
         why = f"{arm.kind} fed the mask wins on this (B, L) even counting the mask read; lengths not read"
@@ -428,7 +428,7 @@ class UnreadShapes:
         record = Record(None, arm, predicted, why, device_key(call.device), self.sig_key)
         if pads.is_cuda and (self.pads_ring is None or self.pads_ring.device != pads.device):
             self.pads_ring = PadsRing(pads.device)
-        if graph is not None and not timed:
+        if graph is not None:
             shape[6] = (weakref.ref(graph), self.graphs.generation, why, record.device)
         if shape[7] is None:
             shape[7] = record  # the batch whose stats judge the shape again (`_one_behind`)
@@ -460,20 +460,28 @@ class UnreadShapes:
     def _replay_unread(self, module, call, shape: list):
         """The hot path of a trusted mask-only shape whose arm's graph is captured (`shape[6]`): the fewest
         steps before the replay, because a short batch's latency is the host time before its replay plus
-        the GPU's. None when this batch must take the general path instead: the shape is not trusted, it is
-        due a read or a timing, something differs (`_dynamic_reason`, the input), or the graph left the
+        the GPU's. One of the shape's first `_PROBES` runs is timed here (events around the replay, harvested
+        later): through the general path, each took its graph lookup's host time too, 3 of a latency table's 7
+        timed calls of a batch (HF bert-base, CoLA B=32: 0.907 ms a call, 0.826 replayed by this path alone;
+        H100, 2026-11-26, `hf_table_adopt_h100.json`, `hf_table.py --host-profile`). None when this batch must
+        take the general path instead: the shape is not trusted, it is due a read, or its read path must be
+        timed first (`_read_known`), something differs (`_dynamic_reason`, the input), or the graph left the
         cache."""
         why, device = shape[6][2], shape[6][3]
         graphs = self.graphs
         since = shape[2] + 1
+        probe = shape[5]
+        timed = probe["left"] > 0 and self.sample_every > 0  # one of the shape's first runs, timed for the probes
         if (
-            shape[0] < self.trust or since >= _RECHECK or (shape[5]["left"] > 0 and self.sample_every > 0)
+            shape[0] < self.trust or since >= _RECHECK
             or (since >= _REJUDGE and shape[7] is not None and self.mask_reads != "recheck")  # `_one_behind` is due
             or graphs is None or graphs.generation != shape[6][1] or not self.graphs_enabled or self.policy != "auto"
             or call.passthrough is not None or call.ragged_in is not None or call.eager_only is not None
         ):  # fmt: skip
             return None
         if call.kpm.shape != (call.B, call.L):
+            return None
+        if timed and not (call.kpm.is_cuda and self._read_known(shape, call.kpm)):
             return None
         if self.static_reason or self._dynamic_reason(module, call) is not None:
             return None
@@ -484,7 +492,17 @@ class UnreadShapes:
         graph, inputs = kept
         shape[2] += 1
         self.count += 1
-        out = graph.run_mask(call.x, call.kpm) if inputs is None else graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
+        x = call.x if inputs is None else None  # (embeddings outside the graph: made before a timing starts)
+        if timed:  # timed here, not by the general path: its host time (a graph lookup) is not the arm's
+            start, end = timers(call.device)
+            start.record()
+            host0 = time.perf_counter()
+        out = graph.run_mask(x, call.kpm) if inputs is None else graph.run_mask_ids(inputs[1], inputs[2], call.kpm)
+        if timed:
+            end.record()
+            probe["left"] -= 1
+            host_ms = (time.perf_counter() - host0) * 1e3
+            self.pending.append((start, end, host_ms, None, call.device, False, (probe, call.B, call.L, "unread")))
         graphs.graphs.move_to_end(graph.key)  # most recently used
         graphs.touch(graph.key)  # its recurrence, for a recapture after an eviction
         record = Record(None, shape[1], shape[3], why, device, self.sig_key)
