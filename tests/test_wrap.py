@@ -264,10 +264,13 @@ def test_parameters_are_shared_not_copied():
 
 def test_deepcopy_and_rewrap():
     enc = autoragged.wrap(make_encoder(), db=False, policy="ragged")
+    x, mask = batch([8, 4], 64, "cpu")
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
     twin = copy.deepcopy(enc)
     assert type(twin).__name__ == "DispatchingTransformerEncoder" and twin._autoragged.policy == "ragged"
+    assert list(enc._autoragged.mask_tops) == [2] and twin._autoragged.mask_tops == {}  # (a copy starts anew)
     # the copy runs its own parameters: changed in the twin only, the twin's output follows
-    x, mask = batch([8, 4], 64, "cpu")
     with torch.no_grad():
         twin.layers[0].linear1.bias.add_(1.0)
         want = nn.TransformerEncoder.forward(twin, x, src_key_padding_mask=mask).masked_fill(mask[..., None], 0.0)

@@ -181,7 +181,7 @@ class Runtime(UnreadShapes):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: the body holds the modules."""
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
-                     mask_lost=set(), mask_won=set(), pads_ring=None, sync_samples=deque(maxlen=16),
+                     mask_lost=set(), mask_won=set(), mask_tops={}, pads_ring=None, sync_samples=deque(maxlen=16),
                      read_events=None, prelaunch=deque(maxlen=16), pipelined=False, body=None, _bound_epoch=-1,
                      _probe=None, _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
