@@ -10,9 +10,11 @@ the graphs captured inside it; and every verdict, the warm-up's too (`_judge_ent
 against the best arm needing lengths plus the read's cost; what that cost is made of (`sync_ms`, the least
 `prelaunch_ms`), the exploring rent paid, whether this verdict explored, and its (B, mask width) bucket's timings).
 The same stream runs with the verdict forced each way
-(`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=`, so a
-row shows which rule would have been right in the stream. Prints one line per row and column and the batch
-sequence of the auto column; writes benchmarks/results/verdict_trace.json (--out).
+(`always_mask`: the read's cost taken as infinite; `always_read`: as minus infinite) and with `lengths=` (traced
+too, per batch), so a row shows which rule would have been right in the stream. Prints one line per row and column,
+the batch sequence of the auto column, and for both traced streams each path's median host and GPU time and the
+slowest batches; `--profile` adds each path's costliest functions (cProfile: its host time then counts for
+little). Writes benchmarks/results/verdict_trace.json (--out).
 """
 
 from __future__ import annotations
