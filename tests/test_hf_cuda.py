@@ -69,6 +69,41 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
         assert (out.last_hidden_state[~keep] == 0).all()
 
 
+def test_the_graphs_see_updates_of_the_fused_q_k_v_parameters():
+    """q/k/v laid out in one buffer (adapters/_qkv.py): a graph replays an in-place update of one of them, and a
+    parameter given new storage (`.data =`) is laid out again and the graphs recaptured."""
+    runner = ArmRunner(model("bert-base", torch.float16, layers=2))
+    kwargs, keep = batch()
+    stats = BatchStats.from_lengths(LENGTHS)
+    arms = [Arm("ragged_graph", graph_config(runner.runtime.body.head_dim, 128, b)) for b in ("cublas", "triton")]
+    attention = runner.module.encoder.layer[1].attention.self
+
+    def check(what):
+        plain = runner.module.__class__(runner.module.config).to("cuda", torch.float16).eval()
+        plain.load_state_dict(runner.module.state_dict())
+        with torch.inference_mode():
+            want = plain(**kwargs).last_hidden_state[keep]
+            want64 = plain.double()(**kwargs).last_hidden_state[keep]
+            for arm in arms:
+                for _ in range(2):
+                    got = runner.run_call(arm, runner.hf_call(kwargs), LENGTHS, stats).last_hidden_state[keep]
+                assert_within_torch_error(got, want, want64, f"{what} {arm.label}")
+        return got
+
+    first = check("as wrapped")
+    captures = runner.runtime.graphs.captures
+    with torch.no_grad():
+        attention.key.weight.data.copy_(torch.randn_like(attention.key.weight) / 16)
+        attention.value.bias.add_(0.5)
+    second = check("updated in place")
+    assert runner.runtime.graphs.captures == captures  # replayed, not recaptured
+    assert (second.float() - first.float()).abs().max() > 1e-2
+    with torch.no_grad():
+        attention.query.weight.data = attention.query.weight.data * 1.5
+    check("given new storage")
+    assert runner.runtime.graphs.captures > captures
+
+
 @pytest.mark.parametrize("given", ["input_ids", "inputs_embeds"])
 def test_the_lengths_graph_embeds_in_the_graph_and_zeros_columns_past_its_bucket(given):
     """The ragged graph fed host lengths runs the embeddings itself from token ids (`run_padded_ids`), or

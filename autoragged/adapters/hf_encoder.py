@@ -40,6 +40,7 @@ from .._encoder import EncoderLayerSpec, encoder_values, layer_linears
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import _hf, _sentence
+from ._qkv import FusedQKV, unfuse
 from .base import EpochCache
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -83,6 +84,10 @@ def _bert_layers(base):
     return [_bert_layer(layer) for layer in base.encoder.layer]
 
 
+def _bert_qkv(base):
+    return [(s.query, s.key, s.value) for s in (layer.attention.self for layer in base.encoder.layer)]
+
+
 def _albert_layers(base):
     """ALBERT shares its layers: layer i runs group int(i / (layers / groups)), each group's inner layers."""
     config, groups = base.config, base.encoder.albert_layer_groups
@@ -99,6 +104,11 @@ def _albert_layers(base):
     return specs
 
 
+def _albert_qkv(base):
+    groups = base.encoder.albert_layer_groups
+    return [(a.query, a.key, a.value) for g in groups for a in (layer.attention for layer in g.albert_layers)]
+
+
 def _distilbert_layers(base):
     specs = []
     for layer in base.transformer.layer:
@@ -109,6 +119,10 @@ def _distilbert_layers(base):
             ff2=_lin(layer.ffn.lin2), norm2=_ln(layer.output_layer_norm), scale=a.scaling,
         ))  # fmt: skip
     return specs
+
+
+def _distilbert_qkv(base):
+    return [(a.q_lin, a.k_lin, a.v_lin) for a in (layer.attention for layer in base.transformer.layer)]
 
 
 def _bert_embed(base, kw):
@@ -150,6 +164,7 @@ class Family:
     output: type  # the ModelOutput class the base model returns
     pool: object = None  # (base, padded last hidden state) -> pooler_output, or None
     unsupported: str | None = None  # why the ragged arm never runs this family
+    qkv: object = None  # base -> each layer's (q, k, v) nn.Linears, laid out as one product (adapters/_qkv.py)
 
 
 _BERT = Family(
@@ -158,6 +173,7 @@ _BERT = Family(
     lambda b: b.encoder.layer,
     outputs.BaseModelOutputWithPoolingAndCrossAttentions,
     _bert_pool,
+    qkv=_bert_qkv,
 )
 _NO_INTERFACE = "its attention adds a relative-position bias outside transformers' attention interface"
 FAMILIES: dict[str, Family] = {
@@ -166,7 +182,11 @@ FAMILIES: dict[str, Family] = {
     "xlm-roberta": _BERT,
     "camembert": _BERT,
     "electra": Family(
-        _bert_embed, _bert_layers, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPastAndCrossAttentions
+        _bert_embed,
+        _bert_layers,
+        lambda b: b.encoder.layer,
+        outputs.BaseModelOutputWithPastAndCrossAttentions,
+        qkv=_bert_qkv,
     ),  # fmt: skip
     "albert": Family(
         _albert_embed,
@@ -174,8 +194,15 @@ FAMILIES: dict[str, Family] = {
         lambda b: b.encoder.albert_layer_groups,
         outputs.BaseModelOutputWithPooling,
         _albert_pool,
+        qkv=_albert_qkv,
     ),  # fmt: skip
-    "distilbert": Family(_distilbert_embed, _distilbert_layers, lambda b: b.transformer.layer, outputs.BaseModelOutput),
+    "distilbert": Family(
+        _distilbert_embed,
+        _distilbert_layers,
+        lambda b: b.transformer.layer,
+        outputs.BaseModelOutput,
+        qkv=_distilbert_qkv,
+    ),  # fmt: skip
     "modernbert": Family(_modernbert_embed, None, lambda b: b.layers, outputs.BaseModelOutput),
     "mpnet": Family(
         None, None, lambda b: b.encoder.layer, outputs.BaseModelOutputWithPooling, unsupported=_NO_INTERFACE
@@ -216,6 +243,9 @@ class HFEncoderBody(_hf.HFBody):
             dtype=str(self.probe().dtype).replace("torch.", ""), final_norm=family.layers is None,
         )  # fmt: skip
         self.memo = (d_model, ff, self.sig.layers)
+        # one q/k/v product per layer: the three parameters become views of one buffer (adapters/_qkv.py)
+        fusable = family.qkv is not None and family.layers is not None and self.static_reason is None
+        self._qkv = FusedQKV(family.qkv(module)) if fusable else None
 
     def _make_specs(self):
         return self.family.layers(self.module) if self.family.layers is not None else None
@@ -235,16 +265,20 @@ class HFEncoderBody(_hf.HFBody):
             return f"head dim {head_dim} (the ragged attention kernel supports {HEAD_DIMS})"
         return None
 
+    def _layer_specs(self) -> list:
+        specs = self._specs.get()
+        return self._qkv.layers(specs) if self._qkv is not None else specs
+
     def values(self, x, layout, config, causal, hidden=None):
         family = self.family
         if hidden is not None:
             hidden.append(x)
         if family.layers is not None:
-            return encoder_values(self._specs.get(), None, x, layout, config, causal, hidden)
+            return encoder_values(self._layer_specs(), None, x, layout, config, causal, hidden)
         return self._module_values(x, layout, config, hidden)
 
     def layer_linears(self) -> list:
-        specs = self._specs.get() if self.family.layers is not None else []
+        specs = self._layer_specs() if self.family.layers is not None else []
         return layer_linears(specs[0]) if specs else []
 
     def _module_values(self, x, layout, config, hidden):
@@ -303,6 +337,9 @@ class HFEncoderAdapter:
 
     def uninstall(self, module) -> None:
         _hf.uninstall(module)
+        family = FAMILIES[module.config.model_type]
+        if family.qkv is not None:
+            unfuse(family.qkv(module))  # each q/k/v parameter its own storage again, as before `wrap`
 
     def install_container(self, model: nn.Module) -> None:
         """sentence-transformers' input module around a wrapped base model: host lengths from its tokenizer."""

@@ -1,0 +1,84 @@
+"""Three q/k/v products against one: what laying a layer's q, k and v weights out in one buffer buys.
+
+    python benchmarks/qkv_products.py                 # d_model 768 (bert-base) and 384 (MiniLM)
+    python benchmarks/qkv_products.py --d-model 1024 --rows 512 4096
+
+Per row count M: one layer's three (M, D) x (D, D) cuBLAS products with bias (HF's query, key, value), against
+one (M, D) x (D, 3 D) product (autoragged/adapters/_qkv.py), each captured 12 times (a 12-layer encoder's
+worth) in a CUDA graph and replayed; microseconds per layer, the least of 5 rounds of 50 replays.
+Prints a table and writes benchmarks/results/qkv_products.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+
+ROWS = (416, 897, 1409, 1900, 2945, 4500, 8000, 12000, 24000, 46000)  # CoRa batches' packed rows, bert-base
+
+
+def graph_us(fn, layers: int = 12, replays: int = 50, rounds: int = 5) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / replays / layers)
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", nargs="+", type=int, default=[768, 384])
+    p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    p.add_argument("--out", help="JSON path (default benchmarks/results/qkv_products.json)")
+    args = p.parse_args(argv)
+    require_cuda("benchmarks/qkv_products.py")
+    env = environment()
+    header("q/k/v: three cuBLAS products against one, in a CUDA graph (fp16)", env)
+    dev = torch.device("cuda")
+    rows = []
+    for D in args.d_model:
+        g = torch.Generator(device=dev).manual_seed(0)
+        ws = [torch.randn(D, D, device=dev, dtype=torch.float16, generator=g) / D**0.5 for _ in range(3)]
+        bs = [torch.randn(D, device=dev, dtype=torch.float16, generator=g) for _ in range(3)]
+        W, b = torch.cat(ws), torch.cat(bs)
+        for M in args.rows:
+            x = torch.randn(M, D, device=dev, dtype=torch.float16, generator=g)
+            three = graph_us(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, c) for w, c in zip(ws, bs)])
+            one = graph_us(lambda x=x, W=W, b=b: F.linear(x, W, b))
+            rows.append({"d_model": D, "rows": M, "three_us": three, "one_us": one, "one_over_three": one / three})
+            print(f"  D={D} M={M:6d}: three {three:7.1f} us, one {one:7.1f} us ({one / three:.2f}x)", flush=True)
+    cols = [("d_model", "D", "d"), ("rows", "rows", "d"), ("three_us", "three products, us", ".1f"),
+            ("one_us", "one product, us", ".1f"), ("one_over_three", "one / three", ".2f")]  # fmt: skip
+    print("\n" + table(rows, cols))
+    path = write_json("qkv_products.json", {"env": env, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
