@@ -482,8 +482,9 @@ def test_the_read_costs_the_gpus_idle_time_only_when_the_host_runs_ahead():
 
 def test_a_read_that_waits_for_queued_work_marks_the_host_ahead(monkeypatch, reference_ops):
     rt = autoragged.wrap(make_encoder(), db=False)._autoragged
-    rt._read_timed(0.1, cuda=True)
-    assert not rt.pipelined
+    rt._read_timed(30.0, cuda=True)  # the first read on a GPU: its one-time costs are not the read's
+    assert not rt.pipelined and not rt.sync_samples
+    rt.sync_samples.append(0.1)  # as the next read's events time it
     rt._read_timed(5.0, cuda=True)  # it waited for the GPU to finish earlier batches
     assert rt.pipelined and rt.sync_ms == 0.1
     rt._read_timed(0.12, cuda=True)
@@ -531,15 +532,18 @@ def test_a_gpu_reads_own_cost_is_timed_from_the_queued_works_end(monkeypatch):
         rt._read_timed(host_ms, True, events)
         clock[0] += 10.0  # the next batch
 
-    read(5.0, 0.05)
-    assert list(rt.sync_samples) == [5.0] and not rt.pipelined  # the first read: its host time alone
+    read(25.0, 20.0)
+    assert not rt.sync_samples and not rt.pipelined  # the first read, one-time costs and all: not a sample
+    assert rt.sync_ms == _unread._READ_PRIOR_MS  # a GPU's read costs the prior until one is timed
     read(4.0, 0.06)
-    assert rt.sync_ms == pytest.approx(0.05) and rt.pipelined  # the first read's own time, harvested now
-    read(0.07, 0.07)
-    assert rt.sync_ms == pytest.approx(0.05) and not rt.pipelined  # a read that did not wait
+    assert not rt.sync_samples and rt.pipelined  # it waited: 4 ms against the prior's 0.2
+    read(0.07, 0.05)
+    assert rt.sync_ms == pytest.approx(0.06) and not rt.pipelined  # the last read's own time, harvested now
+    read(0.3, 0.3)
+    assert rt.sync_ms == pytest.approx(0.05) and rt.pipelined  # (0.3 > 0.05 + 0.05)
     rt.read_events[1].done = False  # a pair not fired yet is skipped, not waited for
     read(3.0, 0.02)
-    assert rt.sync_ms == pytest.approx(0.05) and len(rt.sync_samples) == 3
+    assert rt.sync_ms == pytest.approx(0.05) and len(rt.sync_samples) == 2
     assert rt._read_begin(types.SimpleNamespace(is_cuda=False)) is None  # a CPU: host times only
 
 

@@ -13,6 +13,7 @@ from torch import nn
 import autoragged
 import autoragged.runtime.core as dispatch
 from autoragged import RaggedTensor
+from autoragged.runtime import unread as _unread
 
 
 def make_encoder(*, d=64, heads=2, ff=96, layers=2, norm_first=False, activation="relu", batch_first=True,
@@ -423,6 +424,20 @@ def test_an_unread_batch_with_left_padding_is_still_right():
     keep = ~left
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
     assert (got[left] == 0).all()
+
+
+def test_the_first_read_on_a_gpu_counts_for_nothing():
+    """Its one-time costs (kernels' first launches, compiles queued before it) are not the read's: until a
+    read's event pair is timed, a read on a GPU costs the prior, and the first read never marks the host
+    as running ahead."""
+    rt = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
+    rt.read_events = ["start", "end", "cuda", False]  # as `_read_begin` left it for a read on a GPU
+    rt._read_timed(21.0, True, rt.read_events)  # the module's first read
+    assert not rt.sync_samples and rt.sync_ms == _unread._READ_PRIOR_MS and not rt.pipelined
+    assert rt.read_events[3] is False  # its pair is not taken as a sample either
+    cpu = autoragged.wrap(make_encoder(), db=False, policy="auto")._autoragged
+    cpu._read_timed(0.3, False, None)
+    assert cpu.sync_ms == 0.3  # on a CPU nothing is queued: the read's host time is its own
 
 
 def test_a_shape_is_judged_with_the_mask_read_counted_against_the_ragged_arms():

@@ -158,6 +158,7 @@ class Runtime(UnreadShapes):
         # ms of reading lengths from a mask, the recent reads' own (`_read_timed`): their minimum is its cost
         self.sync_samples: deque[float] = deque(maxlen=16)
         self.read_events: list | None = None  # [start, end, device, a read between them] (`_read_begin`)
+        self.read_seen = False  # a read was made on a GPU: the first one's time is left out (`_read_timed`)
         # host ms from a read's end to the arm's work queued (the decision; a replay's launch), the recent ones
         self.prelaunch: deque[float] = deque(maxlen=16)
         self.pipelined = False  # the last read (or one-behind verdict) found the GPU still busy: the host is ahead
@@ -182,7 +183,8 @@ class Runtime(UnreadShapes):
         state = self.__dict__.copy()
         state.update(ring=deque(maxlen=_RING), planners={}, pending=deque(), graphs=None, mask_shapes={},
                      mask_lost=set(), mask_won=set(), mask_tops={}, pads_ring=None, sync_samples=deque(maxlen=16),
-                     read_events=None, prelaunch=deque(maxlen=16), pipelined=False, body=None, _bound_epoch=-1,
+                     read_events=None, read_seen=False, prelaunch=deque(maxlen=16), pipelined=False, body=None,
+                     _bound_epoch=-1,
                      _probe=None, _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
 

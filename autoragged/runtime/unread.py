@@ -90,6 +90,9 @@ _READ = object()  # `_run_unread`: this batch takes the read path after all
 # B=128: 4-9 of 64 batches read, 2-3 captures of 20-35 ms; 1.3 ms a batch unread; H100, 2026-11-25).
 _STAND_IN_SIGHTS = 8
 STOOD_IN = "the read path's graph for this bucket is not captured yet: the shape's graph fed the mask ran"
+# A mask read's cost on a GPU until one is timed: on the H100 host bert-base's reads (B 32-64) took 0.20-0.42 ms
+# as `sync_ms` timed them, the least of each latency-table row's (2026-11-26, `table_calls_h100.json`).
+_READ_PRIOR_MS = 0.2
 _WAITED_MS = 0.05  # a read this much slower than the read's own cost waited for queued work: the host is ahead
 
 
@@ -122,8 +125,11 @@ class UnreadShapes:
     def sync_ms(self) -> float:
         """The read's own cost: the least of the recent reads' own times (`_read_timed`). A read also waits
         for the work queued before it (the first one for compiles and captures: 30-100 ms on the H100 host),
-        which is not the read's doing; an average of those had every shape skip its reads."""
-        return min(self.sync_samples) if self.sync_samples else 0.0
+        which is not the read's doing; an average of those had every shape skip its reads. On a GPU before any
+        read was timed, `_READ_PRIOR_MS`."""
+        if self.sync_samples:
+            return min(self.sync_samples)
+        return _READ_PRIOR_MS if self.read_events is not None else 0.0
 
     def _read_begin(self, kpm: torch.Tensor) -> list | None:
         """Before a mask read on a GPU: CUDA events around it, the start recorded behind the queued work (so it
@@ -135,27 +141,47 @@ class UnreadShapes:
         if events is None or events[2] != kpm.device:
             start, end = timers(kpm.device)
             events = self.read_events = [start, end, kpm.device, False]
-        elif events[3] and events[1].query():
-            self.sync_samples.append(events[0].elapsed_time(events[1]))
+        else:
+            self._read_harvest()
         events[3] = False
         events[0].record()
         return events
+
+    def _read_harvest(self) -> None:
+        """The last read's own time into `sync_samples`, where its event pair has fired (no wait)."""
+        events = self.read_events
+        if events is not None and events[3] and events[1].query():
+            self.sync_samples.append(events[0].elapsed_time(events[1]))
+            events[3] = False
 
     def _read_timed(self, ms: float, cuda: bool, events: list | None = None) -> None:
         """A mask read took `ms` of host time; `events`: its pair from `_read_begin` (a GPU). On a CPU the host
         time is the read's own cost, and a slow read is the host's noise: nothing is queued. On a GPU a read
         waits for the batches queued before it, so its own cost is the time from their end (the start event)
         to the read's end, taken at the next read (`_read_begin`: no wait for the events here); a read whose host
-        time exceeds that cost waited, so the host runs ahead of the GPU. The first read has only its host
-        time. Host times alone overstated the read in a stream: every read there waits for queued work, so the
-        least of 16 was 0.3-1.8 ms where a read cost the stream 0.44 ms, and the mask graph won verdicts it
-        lost by 3% (bert-base, SQuAD B=64; H100, 2026-11-26, `verdict_trace_bert_squad64_h100.json`)."""
+        time exceeds that cost waited, so the host runs ahead of the GPU. Host times alone overstated the read in
+        a stream: every read there waits for queued work, so the least of 16 was 0.3-1.8 ms where a read cost the
+        stream 0.44 ms, and the mask graph won verdicts it lost by 3% (bert-base, SQuAD B=64; H100, 2026-11-26,
+        `verdict_trace_bert_squad64_h100.json`). Until an event pair is in, the read costs `_READ_PRIOR_MS`.
+
+        The module's first read on a GPU counts for nothing: it pays one-time costs (its kernels' first
+        launches, the first batch's compiles queued before it), its events too. Taken as the read's cost (its
+        host time then stood for it), it made every read cost 21 ms in a latency table, where each call is
+        synchronised and no later read came before a shape's verdicts: the mask graph "won even counting the
+        read" where it took 1.13x the cuBLAS graph fed lengths (HF bert-base, SQuAD B=64, its mask graph of
+        Triton linears; H100, 2026-11-26, `table_calls_h100.json`)."""
+        if not cuda:
+            self.sync_samples.append(ms)
+            self.pipelined = False
+            return
+        if not self.read_seen:
+            self.read_seen = True  # (its pair is left unfinished: `_read_begin` takes no sample from it)
+            self.pipelined = False
+            return
         if events is not None:
             events[1].record()
             events[3] = True
-        if events is None or not self.sync_samples:
-            self.sync_samples.append(ms)
-        self.pipelined = cuda and ms > self.sync_ms + _WAITED_MS
+        self.pipelined = ms > self.sync_ms + _WAITED_MS
 
     @property
     def read_cost_ms(self) -> float:
@@ -249,9 +275,13 @@ class UnreadShapes:
     def _one_behind(self, device: torch.device, shape: list) -> None:
         """Judge a trusted shape again, without a sync, from the stats of its first unread batch since the last
         verdict, once they are on the host and _REJUDGE unread batches have run since (so they have landed).
-        Not before a read was timed: the verdict weighs the read's cost."""
+        Not before a read was timed: the verdict weighs the read's cost (the last read's, if its events have
+        fired: a trusted shape may read no more)."""
         record = shape[7]
-        if record is None or shape[2] < _REJUDGE or not self.sync_samples or self.mask_reads == "recheck":
+        if record is None or shape[2] < _REJUDGE or self.mask_reads == "recheck":
+            return
+        self._read_harvest()
+        if not self.sync_samples:
             return
         stats = record.peek()
         if stats is None:
