@@ -4,8 +4,8 @@
     python benchmarks/qkv_products.py --d-model 1024 --rows 512 4096
 
 Per row count M: one layer's three (M, D) x (D, D) cuBLAS products with bias (HF's query, key, value), against
-one (M, D) x (D, 3 D) product (autoragged/adapters/_qkv.py), each captured 12 times (a 12-layer encoder's
-worth) in a CUDA graph and replayed; microseconds per layer, the least of 5 rounds of 50 replays.
+one (M, D) x (D, 3 D) product (autoragged/adapters/_qkv.py), each captured 10 times in a CUDA graph and
+replayed (benchmarks/linear_tiles.py `graph_ms`); microseconds per layer, the median replay's.
 Prints a table and writes benchmarks/results/qkv_products.json.
 """
 
@@ -21,33 +21,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._common import environment, header, require_cuda, table, write_json  # noqa: E402
+from benchmarks.linear_tiles import graph_ms  # noqa: E402
 
 ROWS = (416, 897, 1409, 1900, 2945, 4500, 8000, 12000, 24000, 46000)  # CoRa batches' packed rows, bert-base
-
-
-def graph_us(fn, layers: int = 12, replays: int = 50, rounds: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / replays / layers)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         W, b = torch.cat(ws), torch.cat(bs)
         for M in args.rows:
             x = torch.randn(M, D, device=dev, dtype=torch.float16, generator=g)
-            three = graph_us(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, c) for w, c in zip(ws, bs)])
-            one = graph_us(lambda x=x, W=W, b=b: F.linear(x, W, b))
+            three = 1e3 * graph_ms(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, c) for w, c in zip(ws, bs)])
+            one = 1e3 * graph_ms(lambda x=x, W=W, b=b: F.linear(x, W, b))
             rows.append({"d_model": D, "rows": M, "three_us": three, "one_us": one, "one_over_three": one / three})
             print(f"  D={D} M={M:6d}: three {three:7.1f} us, one {one:7.1f} us ({one / three:.2f}x)", flush=True)
     cols = [("d_model", "D", "d"), ("rows", "rows", "d"), ("three_us", "three products, us", ".1f"),

@@ -2,9 +2,10 @@
 
 HF's BERT family keeps three (D, D) linears per layer. On a packed batch of a few hundred tokens the ragged arm
 then runs three small GEMMs, mostly launch and latency: in a CUDA graph on an H100, three (M, 768) x (768, 768)
-products took 13.1 us against 7.0 for one (768 -> 2304) at M = 416, 18.2 against 12.5 at 1,900, 31.5 against 26.6
-at 4,500 and 287 against 280 at 46,000 (D = 384: 10.8 against 4.1 us at M = 416; `python benchmarks/qkv_products.py`,
-2026-11-26, `qkv_products_h100.json`). PyTorch's `nn.MultiheadAttention` keeps one in-projection for this reason.
+products took 13.9 us against 7.2 for one (768 -> 2304) at M = 416, 19.0 against 13.1 at 1,900, 31.5 against 26.8
+at 4,500, and 275 against 283 at 46,000, where one product is no faster (D = 384: 12.3 against 5.1 us at M = 416;
+`python benchmarks/qkv_products.py`, 2026-11-26, `qkv_products_h100.json`). PyTorch's `nn.MultiheadAttention`
+keeps one in-projection too.
 
 `FusedQKV.fuse` copies a layer's three weights (and biases) into one (3 D, D) buffer (and one (3 D,)) and makes
 each parameter a view of its block (`param.data = block`). The parameters stay the same objects with the same
