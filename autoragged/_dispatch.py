@@ -90,6 +90,7 @@ def wrap(
         raise ValueError(f"mask_reads must be one of {MASK_READS}, got {mask_reads!r}")
     if graph_cap is not None and (not isinstance(graph_cap, int) or graph_cap < 1):
         raise ValueError(f"graph_cap must be None (sized from memory) or an int >= 1, got {graph_cap!r}")
+    name = type(model).__name__  # (before an adapter swaps the class of a module it wraps)
     targets, skipped = _targets(model)
     if not targets:
         raise ValueError(
@@ -109,16 +110,16 @@ def wrap(
             _unwrap_one(module)
         runtime = Runtime(module, adapter, options)
         module._autoragged = runtime
-        adapter.install(module)
-        runtime.preload()
         if runtime.static_reason:
             padded_forever.append(f"{type(module).__name__} ({runtime.sig_key}): {runtime.static_reason}")
+        adapter.install(module)
+        runtime.preload()
     for adapter in {id(a): a for a, _ in targets}.values():  # containers of the wrapped modules (sentence-transformers)
         if hasattr(adapter, "install_container"):
             adapter.install_container(model)
     if padded_forever or skipped:
         lines = [f"{m}: always runs padded" for m in padded_forever] + [f"not wrapped: {m}" for m in skipped]
-        log.warning("autoragged.wrap(%s): %s", type(model).__name__, "; ".join(lines))
+        log.warning("autoragged.wrap(%s): %s", name, "; ".join(lines))
     return model
 
 

@@ -179,6 +179,18 @@ class Layout:
         canonical = offsets[0] == 0 and offsets[-1] == rows and tuple(extents) == tuple(lengths)
         return Layout(lengths, 1, offsets, rows, canonical)
 
+    @staticmethod
+    def with_query_rows(keys: tuple[int, ...], device: torch.device) -> QueryRowsLayout:
+        """The packed layout of `keys` where each non-empty component ends in one more row, a query only: the
+        attention reads its first keys[b] rows as keys (a left-padded row's column 0, a pad the original
+        computes and a task head reads, runs as that query row). Not cached: its device keys are its own."""
+        lengths = tuple(n + 1 if n else 0 for n in keys)
+        offsets = tuple(accumulate(lengths, initial=0))
+        layout = QueryRowsLayout(lengths, 1, offsets, offsets[-1], canonical=True)
+        layout.keys = keys
+        layout.key_lengths = host_to_device(np.asarray(keys, dtype=np.int32), device)
+        return layout
+
     # -- properties -------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
@@ -257,3 +269,13 @@ class Layout:
             f"Layout(B={self.batch_size}, total={self.total}, rows={self.rows}, align={self.align}, "
             f"max_len={self.max_len})"
         )
+
+
+class QueryRowsLayout(Layout):
+    """A `Layout` whose non-empty components end in a query-only row (`Layout.with_query_rows`).
+
+    keys:         (B,) host ints, each component's key rows (its real tokens)
+    key_lengths:  (B,) int32 on the device, the same (what the attention kernel reads)
+    """
+
+    __slots__ = ("keys", "key_lengths")

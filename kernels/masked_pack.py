@@ -6,11 +6,13 @@ values rows offsets[b], offsets[b] + 1, ..., where the graph's layout kernel cou
 same mask (kernels/graph_layout.py). Ranks come from prefix sums of the mask inside each program, so
 left padding, holes and all-pad rows are all fine.
 
-first_column (a model whose pooler reads column 0 of its padded output, as BERT's does): where column 0 of a
-row with real tokens is a pad (left padding), the original computes that pad's output too, attending to the
-row's real tokens, and pools it. The layout then gives the row one more row (kernels/graph_layout.py,
-first_column), after its real tokens: pack puts x[b, 0] there, the attention treats it as a query only
-(kernels/ragged_attention.py, key_lengths), and unpack writes its output back to out[b, 0].
+first_column (a model whose pooler or task head reads column 0 of its padded output, as BERT's do): where
+column 0 of a row with real tokens is a pad (left padding), the original computes that pad's output too,
+attending to the row's real tokens, and pools it. The layout then gives the row one more row
+(kernels/graph_layout.py, first_column), after its real tokens: pack puts x[b, 0] there, the attention treats
+it as a query only (kernels/ragged_attention.py, key_lengths), and unpack writes its output back to out[b, 0].
+A row with no real tokens at all is one the original computes (attending over its pads) and this graph cannot,
+not without reading the mask on the host: with first_column, unpack writes NaN over it, never a quiet zero.
 
 Everything the kernels touch on the padded side comes through the per-batch args (int64, on the device;
 kernels/ragged_pack.py's ARG_* layout, plus ARG_MASK / ARG_MASK_SB / ARG_MASK_SL: the (B, L) bool mask,
@@ -22,7 +24,8 @@ Shape contracts
     offsets:  (>= batch,) int32 on the device: where each row's tokens start in values
     values:   (batch * width, D), stride 1 on D: room for any mask of the grid's shape
     pack:     values[offsets[b] + r] = x[b, t] for the r-th real t of row b; other rows untouched
-    unpack:   out[b, t] = values[offsets[b] + r] for the r-th real t, 0 at pads; out[b, L:] untouched
+    unpack:   out[b, t] = values[offsets[b] + r] for the r-th real t, 0 at pads (NaN over a row with no real
+              token, with first_column); out[b, L:] untouched
     first_column: also values[offsets[b + 1] - 1] <-> column 0 of a row whose column 0 is a pad and whose
               component is not empty (offsets back to back, as a mask's layout lays them)
 """
@@ -94,6 +97,8 @@ def _masked_kernel(
             cols = d0 + tl.arange(0, BLOCK_D)[None, :]
             if UNPACK:
                 v = tl.load(value_rows + cols, mask=real[:, None] & (cols < D), other=0.0)
+                if FIRST_COL:  # an all-pad row: the original computes its pads, this graph cannot
+                    v = tl.where(n == 0, float("nan"), v)
                 tl.store(row + cols, v, mask=inside[:, None] & (cols < D))
             else:
                 v = tl.load(row + cols, mask=real[:, None] & (cols < D), other=0.0)
@@ -152,6 +157,9 @@ def unpack_masked_ref(values: torch.Tensor, mask: torch.Tensor, out: torch.Tenso
     """PyTorch reference of `unpack_masked` into `out` (B, L, D)."""
     out.zero_()
     for b in range(out.shape[0]):
+        if first_column and bool(mask[b].all()):
+            out[b] = float("nan")
+            continue
         cols = _rows_of(mask[b], first_column)
         start = int(offsets[b])
         out[b, cols] = values[start : start + cols.numel()].to(out.dtype)

@@ -116,14 +116,20 @@ def test_every_family_computes_the_original_on_real_tokens(family, side, monkeyp
     autoragged.wrap(model, db=False, policy="ragged")
     with torch.no_grad():
         out = model(**kwargs)
-    pooled_left = side == "left" and family in POOLED
-    assert last(model).arm == ("padded" if pooled_left else "ragged"), last(model).reason
-    if pooled_left:
-        assert "pooler reads column 0" in last(model).reason
+    padded_left = side == "left" and family.startswith("modernbert")  # its windows see column 0 where it is
+    assert last(model).arm == ("padded" if padded_left else "ragged"), last(model).reason
+    if padded_left:
+        assert "column 0" in last(model).reason
     check_close(family, out, model, kwargs, keep)
-    if family in POOLED and not pooled_left:
+    if family in POOLED:
         check_close(family, out, model, kwargs, keep, "pooler_output")
-    assert (out.last_hidden_state[~keep] == 0).all() or pooled_left
+    if side == "left" and not padded_left:  # column 0 of each padded row: a pad the original computes
+        first = keep.clone()
+        first[:, 0] = True
+        check_close(family, out, model, kwargs, first)
+        assert (out.last_hidden_state[~first] == 0).all()  # the other pads: zeros
+    elif not padded_left:
+        assert (out.last_hidden_state[~keep] == 0).all()
 
 
 @pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert-local"])
@@ -229,6 +235,55 @@ def test_task_models_keep_their_heads_on_the_repadded_output(cls, field, monkeyp
         out = model(**kwargs)
     assert last(model).arm == "ragged"
     check_close(family, out, model, kwargs, keep, field)
+
+
+HEADS = {
+    "AutoModelForSequenceClassification": ("logits",),
+    "AutoModelForTokenClassification": ("logits",),
+    "AutoModelForQuestionAnswering": ("start_logits", "end_logits"),
+    "AutoModelForMaskedLM": ("logits",),
+}
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("family", [f for f in CONFIGS if f != "modernbert-local"])
+def test_every_task_head_gives_the_original_for_either_padding_side(family, head, monkeypatch):
+    """Task heads read the base model's repadded output, column 0 included (a sequence classifier's first
+    token, a pad in a left-padded row that the original computes): every head, both padding sides, auto and
+    ragged, equals the original on real tokens (per row for a sequence head)."""
+    use_reference(monkeypatch)
+    extra = {"num_labels": 2 if head == "AutoModelForQuestionAnswering" else 3}
+    if family == "modernbert":
+        extra["classifier_pooling"] = "cls"
+    model = model_of(family, lambda config: getattr(transformers, head).from_config(config), **extra)
+    for policy in ("ragged", "auto"):
+        autoragged.wrap(model, db=False, policy=policy)
+        for side in ("right", "left"):
+            kwargs, keep = batch(side=side)
+            with torch.no_grad():
+                out = model(**kwargs)
+            for field in HEADS[head]:
+                check_close(f"{family} {head} {policy} {side}", out, model, kwargs, keep, field)
+            if policy == "ragged" and family != "modernbert":
+                assert last(model).arm == "ragged", last(model).reason
+        autoragged.unwrap(model)
+
+
+@pytest.mark.parametrize("policy", ["auto", "ragged"])
+def test_a_row_without_real_tokens_runs_padded_and_says_which(policy, monkeypatch):
+    """The original computes an all-pad row (attending over its pads); the ragged arm would give zeros. With
+    the lengths read, such a batch runs padded, the row named in the reason."""
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False, policy=policy)
+    kwargs, keep = batch(lengths=(5, 0, 3))
+    with torch.no_grad():
+        out = model(**kwargs)
+    assert last(model).arm == "padded" and "row 1 has no real tokens" in last(model).reason
+    plain = _unwrapped(model)
+    with torch.no_grad():
+        want = plain(**kwargs)
+    assert torch.equal(out.pooler_output, want.pooler_output)
+    assert torch.equal(out.last_hidden_state, want.last_hidden_state)
 
 
 def test_hidden_states_and_tuples(monkeypatch):
@@ -480,7 +535,8 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     assert_within_torch_error(ours0, want0, want0_64, "column 0 of left-padded rows")
     p, p64 = want.pooler_output, want64.pooler_output
     assert_within_torch_error(pooled[rows], p[rows], p64[rows], "pooler_output")
-    assert (out[1, 6:] == 0).all() and (out[4] == 0).all()  # pads are zeros but a left-padded row's column 0
+    assert (out[1, 6:] == 0).all()  # pads are zeros but a left-padded row's column 0
+    assert out[4].isnan().all()  # the original computes an all-pad row's pads; this graph says it cannot
 
 
 def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_does():
@@ -508,3 +564,20 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
     body = model._autoragged.ready(model).body
     embeds = {"inputs_embeds": torch.randn(2, 5, 64), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     assert HFEncoderCall(body, model, embeds, None).graph_inputs() is None
+
+
+@pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
+def test_an_empty_batch_does_what_the_original_does(policy, monkeypatch):
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False, policy=policy)
+    kwargs = {"input_ids": torch.zeros(0, 6, dtype=torch.long), "attention_mask": torch.zeros(0, 6, dtype=torch.long)}
+    try:
+        with torch.no_grad():
+            want = _unwrapped(model)(**kwargs).last_hidden_state.shape
+    except Exception as e:  # noqa: BLE001 - whatever the original raises, the wrapped model raises too
+        with torch.no_grad(), pytest.raises(type(e)):
+            model(**kwargs)
+    else:
+        with torch.no_grad():
+            assert model(**kwargs).last_hidden_state.shape == want
+    assert "an empty batch" in last(model).reason

@@ -148,16 +148,16 @@ def _unsynced(fn):
 @pytest.mark.parametrize(("pooler", "types"), [(False, False), (True, False), (True, True)])
 def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
     """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
-    same result as the original on real tokens, left padding included. With BERT's first-token pooler, a
-    left-padded row's column 0 (a pad the original computes and pools) is a query-only row in the graph
-    (kernels/masked_pack.py): pooler_output and that column must be the original's too. The graph runs the
+    same result as the original on real tokens, left padding included. A left-padded row's column 0 (a pad the
+    original computes, which a pooler or task head reads) is a query-only row in the graph
+    (kernels/masked_pack.py): that column, and BERT's pooler_output, must be the original's too. The graph runs the
     embeddings itself, from the token ids (and token types) copied into static buffers."""
     from autoragged.runtime import core
 
     m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=pooler), db=False, sample_every=0)
     base = m
     rt = base._autoragged
-    assert rt.body.mask_graph and rt.body.first_column == pooler
+    assert rt.body.mask_graph and rt.body.first_column
     rt.graph_min_seen = 1
     arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
     kwargs, keep = batch()
@@ -176,8 +176,8 @@ def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
                                        rtol=2e-2, atol=2e-2)  # fmt: skip
             if pooler:
                 torch.testing.assert_close(out.pooler_output.float(), want.pooler_output.float(), rtol=2e-2, atol=2e-2)
-                torch.testing.assert_close(out.last_hidden_state[:, 0].float(), want.last_hidden_state[:, 0].float(),
-                                           rtol=2e-2, atol=2e-2)  # fmt: skip
+            torch.testing.assert_close(out.last_hidden_state[:, 0].float(), want.last_hidden_state[:, 0].float(),
+                                       rtol=2e-2, atol=2e-2)  # fmt: skip
     assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
     kept = [k for k in rt.graphs.graphs if k[0] == "ragged" and k[6] == "mask"]
     assert len(kept) == 1 and kept[0][7] == "ids_tt"  # the embeddings ran in the graph, one for both calls

@@ -1003,3 +1003,25 @@ def test_subclasses_and_float_hf_masks_are_warned_about(caplog):
         enc(x, src_key_padding_mask=hf_style)
         enc(x, src_key_padding_mask=hf_style)
     assert caplog.text.count("values other than 0 and -inf") == 1
+
+
+@pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
+def test_an_empty_batch_does_what_the_original_does(policy):
+    """B = 0 (no sequences at all) goes to the original module, whatever it does with it, under every policy."""
+    enc = autoragged.wrap(make_encoder(), db=False, policy=policy)
+    x = torch.randn(0, 8, 64)
+    with torch.no_grad():
+        y = enc(x, src_key_padding_mask=torch.zeros(0, 8, dtype=torch.bool))
+        want = nn.TransformerEncoder.forward(enc, x, src_key_padding_mask=torch.zeros(0, 8, dtype=torch.bool))
+    assert y.shape == want.shape == (0, 8, 64)
+    assert "an empty batch" in autoragged.recent_decisions(enc, 1)[0].reason
+
+
+def test_the_wrap_warning_names_the_users_class_not_ours(caplog):
+    """A module that always runs padded is named in one WARNING, under the class the user passed in (the
+    encoder's own class is swapped for a dispatching one when it is wrapped)."""
+    enc = make_encoder(activation=lambda x: x * 2)  # an activation the ragged arm cannot run
+    with caplog.at_level("WARNING", logger="autoragged"):
+        autoragged.wrap(enc, db=False)
+    assert "autoragged.wrap(TransformerEncoder)" in caplog.text, caplog.text
+    assert "Dispatching" not in caplog.text

@@ -302,6 +302,9 @@ class HFCall(Call):
         if self.reason is None:
             self.reason = self._unsupported(config, hidden)
 
+    def empty_row(self, row: int) -> str:
+        return f"row {row} has no real tokens (the original computes its pads, attending over them)"
+
     def _unsupported(self, config, hidden) -> str | None:
         kwargs = self.kwargs
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):

@@ -120,6 +120,11 @@ class Call:
         """A batch whose every sequence is empty: raise a clear error, or return the reason it runs padded."""
         return "no real tokens in the batch"
 
+    def empty_row(self, row: int) -> str | None:
+        """Why a batch whose row `row` has no real tokens must run padded, or None: the ragged arm then gives that
+        row zeros, as PyTorch's encoder fast path does."""
+        return None
+
     def prefetch(self) -> None:
         """Queue device work the ragged arms will need, before the host blocks on reading the mask's lengths
         (so the GPU has it while the host waits); a no-op unless the family has such work."""

@@ -10,8 +10,9 @@ The ragged arm unpads once and repads once:
   RoBERTa's `padding_idx + 1` positions come out exactly as the original computes them, for any padding side;
 - the layers on the packed real tokens;
 - last_hidden_state repadded (zeros at pads), pooler_output recomputed from it, every hidden state repadded.
-  A first-token pooler reads column 0, a pad in a left-padded row: the eager arms and the graphs fed lengths
-  run such a batch padded; the mask-only graph computes that column as a query-only row (kernels/masked_pack.py).
+  A pooler or task head may read column 0, a pad in a left-padded row that the original computes: the fused
+  families compute it as one more, query-only, row (`Layout.with_query_rows`; the mask graph:
+  kernels/masked_pack.py); ModernBERT runs left-padded batches padded.
 
 Two ways to run the layers:
 - fused (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ALBERT, DistilBERT): each layer as a spec of the
@@ -218,15 +219,15 @@ class HFEncoderBody(_hf.HFBody):
         super().__init__(module, family, family.layer_list(module))
         config = module.config
         self._specs = EpochCache(self._make_specs)
-        self.pools_first_token = family.pool is not None and getattr(module, "pooler", None) is not None
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
-        # the mask-only graph never reads lengths, so it cannot tell a left-padded row, whose column 0 (what a
-        # first-token pooler reads) is a pad the original computes: with such a pooler the graph computes that
-        # column as a query-only row of its own (kernels/masked_pack.py, first_column), as the original does
+        # a task head or pooler may read column 0 of the output, a pad in a left-padded row that the original
+        # computes (a query over the row's real tokens): every ragged arm of the fused families computes it as a
+        # query-only row of its own (`Layout.with_query_rows`, kernels/masked_pack.py), as the original does.
+        # ModernBERT's local windows and rotary positions see that pad at its column: its left padding runs padded
         self.mask_graph = self.fused
-        self.first_column = self.pools_first_token
+        self.first_column = self.fused
         # the mask graph runs the model's own embedding module on static token ids (runtime/capture.py)
         self.embeds_in_graph = self.fused
         embeddings = getattr(module, "embeddings", None)
@@ -305,13 +306,19 @@ class HFEncoderBody(_hf.HFBody):
         return out if call.return_dict else out.to_tuple()
 
 
+_PAD_COLUMN_NOTE = (
+    " (its column 0 is then a pad that the original computes and a cls pooling reads; the ragged arm computes it"
+    " only for the BERT family)"
+)
+
+
 class HFEncoderCall(_hf.HFCall):
     __slots__ = ("any_padding", "padding_note")
 
     def __init__(self, body: HFEncoderBody, module, kwargs, lengths):
         super().__init__(body, module, kwargs, lengths)
-        self.any_padding = not body.pools_first_token
-        self.padding_note = " (the model's pooler reads column 0, then a pad)" if body.pools_first_token else ""
+        self.any_padding = body.first_column
+        self.padding_note = "" if body.first_column else _PAD_COLUMN_NOTE
 
 
 class HFEncoderAdapter:

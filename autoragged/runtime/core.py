@@ -226,9 +226,12 @@ class Runtime(UnreadShapes):
                 out = self._replay_unread(module, call, shape)
                 if out is not None:
                     return out
-        if call.passthrough is not None:
+        passthrough = call.passthrough
+        if passthrough is None and call.B == 0 and call.ragged_in is None:
+            passthrough = "an empty batch (B = 0): the original module's own behaviour"
+        if passthrough is not None:
             # an input the wrapper does not run: the original module handles it, and we record that we let it
-            self._record(Record(BatchStats.from_lengths(()), PADDED, {}, call.passthrough,
+            self._record(Record(BatchStats.from_lengths(()), PADDED, {}, passthrough,
                                 device_key(self._param().device), self.sig_key))  # fmt: skip
             return call.original(module)
         reason = self.static_reason or self._dynamic_reason(module, call)
@@ -280,6 +283,8 @@ class Runtime(UnreadShapes):
             raise ValueError(f"lengths[{i}] = {lens[i]} exceeds the padded length {L}")
         if stats.total == 0 and L > 0 and B > 0:
             reason = call.no_tokens()  # raises where the family's own forward would fail on it
+        elif not reason and ragged_in is None and 0 in lens:
+            reason = call.empty_row(lens.index(0))
         plan = self._plan(call.device, stats, reason)
         arm, why = plan.arm, plan.reason
         free = self.policy == "auto" and not reason  # the planner chose: its timings may teach it
@@ -553,7 +558,7 @@ class Runtime(UnreadShapes):
         seq_axis = 1 if self.batch_first else 0
         x = call.x
         if not_prefix is not None:  # any padding pattern: packed and unpacked by the mask
-            rt = _pack_by_mask(x, call.kpm, lens, seq_axis)
+            rt = _pack_by_mask(x, call.kpm, lens, seq_axis, self.body.first_column)
         else:
             rt = _from_padded(x, lens, config.align, seq_axis, _eager_rows(config, x, call.causal, stats.total))
         values = body.values(rt.values, rt.layout, config, call.causal, hidden)
@@ -672,26 +677,36 @@ def _eager_rows(config: KernelConfig, x: torch.Tensor, causal: bool, total: int)
 
 def _mask_rows(kpm: torch.Tensor, layout: Layout) -> torch.Tensor:
     """(B * L,) int64: the values row of each padded position (real tokens in order from their component's
-    offset; pads point at the spare row `layout.rows`)."""
+    offset; pads point at the spare row `layout.rows`). A layout with query rows (`Layout.with_query_rows`)
+    also maps a non-empty row's column 0, where it is a pad, to its component's query row."""
     real = ~kpm
     offsets = layout.device_meta(kpm.device)[0][:-1].to(torch.int64)
     rank = real.to(torch.int64).cumsum(1) - 1 + offsets[:, None]
-    return torch.where(real, rank, layout.rows).reshape(-1)
+    rows = torch.where(real, rank, layout.rows)
+    keys = layout.key_lengths
+    if keys is not None:
+        query_row = torch.where(kpm[:, 0] & (keys > 0), offsets + keys, rows[:, 0])
+        rows = torch.cat([query_row[:, None], rows[:, 1:]], 1)
+    return rows.reshape(-1)
 
 
-def _pack_by_mask(x: torch.Tensor, kpm: torch.Tensor, lens: tuple[int, ...], seq_axis: int) -> RaggedTensor:
-    """x's real tokens (kpm False, any pattern) packed back to back, align 1; no device sync."""
-    layout = Layout.make(lens, 1)
+def _pack_by_mask(x: torch.Tensor, kpm: torch.Tensor, lens: tuple[int, ...], seq_axis: int, first_column: bool):
+    """x's real tokens (kpm False, any pattern) packed back to back, align 1, as a RaggedTensor; no device
+    sync. first_column: each non-empty row also packs column 0 as a query-only row (where column 0 is real,
+    that row is zeros and unread)."""
+    layout = Layout.with_query_rows(lens, x.device) if first_column else Layout.make(lens, 1)
     src = x if seq_axis == 1 else x.transpose(0, 1)
     B, L = kpm.shape
     flat = src.reshape(B * L, *src.shape[2:])
-    values = flat.new_empty((layout.rows + 1, *src.shape[2:]))
+    make = flat.new_zeros if first_column else flat.new_empty
+    values = make((layout.rows + 1, *src.shape[2:]))
     values.index_copy_(0, _mask_rows(kpm, layout), flat)  # pads all land on the spare row
     return RaggedTensor(values[: layout.rows], layout)
 
 
 def _unpack_by_mask(values: torch.Tensor, rt: RaggedTensor, kpm: torch.Tensor, seq_axis: int) -> torch.Tensor:
-    """The inverse of `_pack_by_mask`: values back at their padded positions, zeros at the pads."""
+    """The inverse of `_pack_by_mask`: values back at their padded positions (a query row's at column 0),
+    zeros at the other pads."""
     B, L = kpm.shape
     spare = torch.cat([values[: rt.layout.rows], values.new_zeros((1, *values.shape[1:]))])
     out = spare.index_select(0, _mask_rows(kpm, rt.layout)).view(B, L, *values.shape[1:])
