@@ -3,9 +3,10 @@
     model = autoragged.wrap(model)            # same call signature as before
     y = model(x, src_key_padding_mask=mask)   # each batch goes to the predicted-fastest arm
 
-Public modules: `autoragged.ops` (ragged kernels on RaggedTensors), `autoragged.nn` (ragged encoder
-modules), `autoragged.packing` (token-budget batching), `autoragged.workloads` (length distributions),
-`autoragged.tune` and `autoragged.report` (command-line entry points, `python -m ...`).
+Public modules, each an attribute of the package once it is imported: `autoragged.ops` (ragged kernels on
+RaggedTensors), `autoragged.nn` (ragged encoder modules), `autoragged.packing` (token-budget batching, `run_job`),
+`autoragged.workloads` (length distributions), `autoragged.tune` and `autoragged.report` (command-line entry
+points, `python -m ...`; `report.summary()`), `autoragged.kernels`, `autoragged.tuning_db`.
 
 The repository's `kernels/` and `tuning_db/` folders are installed as `autoragged.kernels` and
 `autoragged.tuning_db` (`kernels` is the import name of HuggingFace's hub-kernels package). Attributes
@@ -65,6 +66,12 @@ _LAZY = {
     "flush": ("._dispatch", "flush"),
     "nn": (".nn", None),
     "ops": (".ops", None),
+    "packing": (".packing", None),
+    "workloads": (".workloads", None),
+    "report": (".report", None),
+    "tune": (".tune", None),
+    "kernels": (".kernels", None),
+    "tuning_db": (".tuning_db", None),
 }
 __all__ = list(_LAZY)
 

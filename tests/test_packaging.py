@@ -68,3 +68,18 @@ def test_hf_kernels_and_autoragged_install_side_by_side(wheel, tmp_path):
     hf, ours = out.stdout.split()
     assert Path(hf) == site / "kernels" / "__init__.py"
     assert Path(ours) == site / "autoragged" / "kernels" / "__init__.py"
+
+
+def test_every_public_submodule_is_an_attribute_of_the_package():
+    """`import autoragged` then `autoragged.packing.run_job` etc., as the README writes them, in a fresh
+    interpreter (an earlier import in this process would have set the attributes already)."""
+    probe = (
+        "import autoragged\n"
+        "assert callable(autoragged.packing.run_job) and callable(autoragged.report.summary)\n"
+        "assert autoragged.workloads.CORA and callable(autoragged.tune.main) and callable(autoragged.ops.linear_values)\n"
+        "assert autoragged.nn.__name__ == 'autoragged.nn' and autoragged.kernels.__name__ == 'autoragged.kernels'\n"
+        "assert autoragged.tuning_db.__name__ == 'autoragged.tuning_db'\n"
+        "assert callable(autoragged.strip_padding) and callable(autoragged.warmup)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
