@@ -99,9 +99,22 @@ def test_unwrap_gives_each_parameter_its_own_storage(tmp_path, monkeypatch):
     for triple in triples(model):
         for name in ("weight", "bias"):
             assert len({getattr(lin, name).untyped_storage().data_ptr() for lin in triple}) == 3
-    safetensors.save_file(model.state_dict(), tmp_path / "m.safetensors")  # refuses tensors sharing memory
+    safetensors.save_file(model.state_dict(), tmp_path / "m.safetensors")
     loaded = safetensors.load_file(tmp_path / "m.safetensors")
     assert all(torch.equal(loaded[k], before[k]) for k in before)
+
+
+def test_a_wrapped_models_state_dict_saves_with_safetensors(tmp_path, monkeypatch):
+    """The q/k/v views share one storage while wrapped; safetensors (>= 0.8, as transformers 5.17 requires)
+    saves such non-overlapping views, and they load back equal."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("bert"), db=False)
+    assert all(shares_one_storage(t) for t in triples(model))
+    state = model.state_dict()
+    safetensors.save_file(state, tmp_path / "m.safetensors")
+    loaded = safetensors.load_file(tmp_path / "m.safetensors")
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 
 
 def test_a_layer_whose_q_and_k_are_one_parameter_runs_three_products(monkeypatch):
@@ -116,3 +129,31 @@ def test_a_layer_whose_q_and_k_are_one_parameter_runs_three_products(monkeypatch
         out = model(**kwargs)
     assert last(model).arm == "ragged"
     check_close("bert", out, model, kwargs, keep)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_wrap_under_inference_mode_leaves_a_model_every_grad_mode_can_run(family, monkeypatch):
+    """Serving code often wraps inside `torch.inference_mode()`. The one q/k/v buffer `wrap` lays out must
+    still be a plain tensor: the padded arm (left padding, policy="padded"), no_grad, grad mode with a backward
+    pass, and the model after `unwrap` all run, and no parameter becomes an inference tensor."""
+    use_reference(monkeypatch)
+    model = model_of(family)
+    for policy in ("auto", "padded", "ragged"):
+        with torch.inference_mode():
+            autoragged.wrap(model, db=False, policy=policy)  # (again: unwrapped and wrapped under inference_mode)
+        assert all(shares_one_storage(t) for t in triples(model))
+        assert not any(p.is_inference() for p in model.parameters())
+        for side in ("right", "left"):
+            kwargs, keep = batch(side=side)
+            with torch.no_grad():
+                out = model(**kwargs)
+            check_close(family, out, model, kwargs, keep)
+            with torch.inference_mode():
+                model(**kwargs)
+            model.zero_grad()
+            model(**kwargs).last_hidden_state[keep].square().sum().backward()
+            assert model.encoder.layer[0].attention.self.query.weight.grad is not None
+    autoragged.unwrap(model)
+    assert not any(p.is_inference() for p in model.parameters())
+    kwargs, _ = batch(side="left")
+    model(**kwargs).last_hidden_state.sum().backward()

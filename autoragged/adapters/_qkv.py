@@ -12,8 +12,8 @@ each parameter a view of its block (`param.data = block`). The parameters stay t
 values, names and shapes (`state_dict`, `save_pretrained`, optimizers and the model's own forward, the padded arm,
 are unchanged); an in-place update of any of them by any route (`copy_`, `.data.copy_`, an optimizer step,
 `load_state_dict`) writes the buffer, so the next eager run and CUDA-graph replay see it. What changes: the three
-tensors share one storage, which `safetensors.torch.save_file(model.state_dict())` refuses (it asks for
-`save_model`); `unwrap` gives each its own storage back (`unfuse`).
+tensors share one storage (safetensors >= 0.8 saves such non-overlapping views); `unwrap` gives each its own
+storage back (`unfuse`).
 
 The views can be undone behind our back: `.to()`, `.half()` or `param.data = t` after `wrap` give a parameter
 storage of its own. `FusedQKV.layers` compares the parameters' data pointers with those the buffers hold (we keep
