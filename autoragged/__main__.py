@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def _ragged_arm(device) -> str:
@@ -24,6 +25,29 @@ def _ragged_arm(device) -> str:
     return f"PyTorch reference ops, linears on PyTorch's CPU matmul ({other})"
 
 
+def _database_state(path: Path) -> str:
+    """What state the tuning database at `path` is in, as a wrapped model would find it: not created yet, a
+    directory, damaged, read-only (read, never written), fine, or unusable for another reason the error names.
+    Opening it read-only checks its pages (`TuningDB.open`) and writes nothing."""
+    from .tuning_db import DamagedDatabase, DatabaseError, ReadOnlyDatabase, TuningDB
+    from .tuning_db._connect import _check_location
+
+    if path.is_dir():
+        return f"a directory, not a file: set AUTORAGGED_DB to a file, e.g. {path / 'tuning.sqlite'}"
+    if not path.exists():
+        return "not created yet (the first wrapped model or tune run makes it)"
+    try:
+        TuningDB.open(path, readonly=True).close()
+        _check_location(path)
+    except ReadOnlyDatabase:
+        return "read-only (its cost model is read, nothing is recorded)"
+    except DamagedDatabase as e:
+        return f"damaged: {e}"
+    except DatabaseError as e:
+        return f"unusable: {e}"
+    return "fine"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autoragged",
@@ -36,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     import autoragged
 
     from .kernels._triton import HAS_TRITON
+    from .tuning_db import default_path
 
+    path = default_path()
     cuda = torch.cuda.is_available()
     device = f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu"
     triton_version = "not installed"
@@ -51,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         ("triton", triton_version),
         ("device", device),
         ("ragged arm runs", _ragged_arm(torch.device("cuda" if cuda else "cpu"))),
-        ("tuning database", os.environ.get("AUTORAGGED_DB", "~/.cache/autoragged/tuning.sqlite (default)")),
-    ]
+        ("tuning database", f"{path}{'' if os.environ.get('AUTORAGGED_DB') else ' (default)'}: "
+                            f"{_database_state(path)}"),
+    ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -23,13 +23,17 @@ _REMEDY = "refit with python -m autoragged.tune --refit (or delete the row)"
 
 def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSignature):
     """(model, candidates) from the newest calibration of `device` that covers `sig`, or None (then the
-    planner uses the analytic prior; a calibration that cannot be used was reported in one warning)."""
+    planner uses the analytic prior; a calibration that cannot be used was reported in one warning, a database
+    that cannot be used by the recorder's, and a fit the tuner did not adopt at tune time)."""
     if db_path is None or not db_path.exists():
         return None
     from ._recorder import RECORDER
 
+    db = RECORDER.usable_db(db_path)  # None: a damaged file, or a path that cannot be opened (warned once)
+    if db is None:
+        return None
     try:
-        record = RECORDER.open_db(db_path).latest_model(
+        record = db.latest_model(
             device.key, feature_version=FEATURE_VERSION, signature=sig.key, max_payload_bytes=MAX_PAYLOAD_BYTES
         )
     except RowError as e:
@@ -40,6 +44,10 @@ def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSign
         log.warning("autoragged: using the analytic prior: cannot read the cost model from %s: %s", db_path, e)
         return None
     if record is None:
+        return None
+    if record.metrics.get("adopted") is False:  # tune said so when it stored it
+        log.debug("autoragged: the cost model in models row %s of %s lost to the analytic prior on held-out "
+                  "batches (not adopted): deciding with the prior", record.id, db_path)  # fmt: skip
         return None
     from ._model import CompiledModel
 

@@ -2,7 +2,9 @@
 
 The forward pass appends a record to a list (no I/O). A daemon thread writes what accumulated every
 few seconds, one transaction per table per flush, and again at interpreter exit; `flush()` writes
-now. A database that cannot be opened costs one warning, never an exception in a forward pass.
+now. A database that cannot be opened costs one warning, never an exception in a forward pass; so does one that
+cannot be used as it is (`open_db`): a read-only file is read (its cost model) and nothing is recorded into it, and
+a damaged one is neither read nor written (the runtime decides with the analytic prior).
 
 Retention: after writing, each flush keeps the newest `keep_decisions` decisions per device and module
 signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `_rollup.rollup`, one more
@@ -18,7 +20,16 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from .tuning_db import DatabaseError, Decision, DeviceKey, Measurement, TuningDB, keep_decisions
+from .tuning_db import (
+    DamagedDatabase,
+    DatabaseError,
+    Decision,
+    DeviceKey,
+    Measurement,
+    ReadOnlyDatabase,
+    TuningDB,
+    keep_decisions,
+)  # fmt: skip
 
 __all__ = ["RECORDER", "Recorder"]
 
@@ -35,8 +46,9 @@ class Recorder:
         self._lock = threading.Lock()  # guards the dict of queues and the thread start, not the appends
         self._wake = threading.Event()
         self._queues: dict[Path, deque] = {}
-        self._dbs: dict[Path, TuningDB] = {}
-        self._broken: set[Path] = set()
+        self._dbs: dict[Path, TuningDB | None] = {}  # None: a damaged file, neither read nor written
+        self._broken: set[Path] = set()  # nothing is recorded there (a write failed, or read-only, or damaged)
+        self._unusable: dict[Path, str] = {}  # paths that could not be opened, and why (warned once)
         self._prune_failed: set[Path] = set()
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()
@@ -74,12 +86,39 @@ class Recorder:
                 log.exception("autoragged: flushing decisions to the tuning database failed")
 
     # -- consumer side ----------------------------------------------------------------------
-    def open_db(self, path: Path) -> TuningDB:
-        """The recorder's connection to `path` (opened once; raises DatabaseError when unusable)."""
-        db = self._dbs.get(path)
-        if db is None:
-            db = self._dbs[path] = TuningDB.open(path)
+    def open_db(self, path: Path) -> TuningDB | None:
+        """The runtime's connection to `path`, opened once. A file this process cannot write is opened read-only
+        (its cost model is read, nothing is recorded), and a damaged one gives None (neither read nor written):
+        each costs one WARNING saying so. Raises DatabaseError where the path cannot be used at all (a directory,
+        a directory that cannot be made, a schema from a newer autoragged)."""
+        if path in self._dbs:
+            return self._dbs[path]
+        try:
+            try:
+                db = TuningDB.open(path)
+            except ReadOnlyDatabase as e:
+                db = TuningDB.open(path, readonly=True)
+                self._stop_recording(path, f"autoragged: {e}: using its cost model, recording nothing")
+        except DamagedDatabase as e:
+            db = None
+            self._stop_recording(path, f"autoragged: {e}; deciding with the analytic prior, recording nothing")
+        self._dbs[path] = db
         return db
+
+    def usable_db(self, path: Path) -> TuningDB | None:
+        """`open_db(path)`, or None where it cannot be opened, with one WARNING per path saying why."""
+        try:
+            return self.open_db(path)
+        except DatabaseError as e:
+            if path not in self._unusable:
+                self._unusable[path] = str(e)
+                self._stop_recording(path, f"autoragged: {e}; deciding with the analytic prior, recording nothing")
+            return None
+
+    def _stop_recording(self, path: Path, warning: str) -> None:
+        self._broken.add(path)
+        self._queues.pop(path, None)
+        log.warning("%s", warning)
 
     def flush(self) -> int:
         """Write everything queued so far (one transaction per table and path); returns the rows written.
@@ -102,8 +141,10 @@ class Recorder:
         decisions, bad = _decisions(items)
         measurements = [m for _, _, m in items if m is not None]
         written = 0
+        db = self.usable_db(path)
+        if db is None or db.readonly:
+            return 0  # said once, when it was opened
         try:
-            db = self.open_db(path)
             for device in devices.values():
                 db.register_device(device)
             written += db.add_decisions(decisions, skipped=bad) if decisions else 0

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import sqlite_utils
+from _broken_db import damaged_db, deny_writes, in_readonly_mount
 from autoragged.tuning_db import (
     BatchStats,
+    DamagedDatabase,
     DatabaseError,
     Decision,
     DecisionTotals,
@@ -26,6 +28,7 @@ from autoragged.tuning_db import (
     Measurement,
     ModelRecord,
     ModuleSignature,
+    ReadOnlyDatabase,
     RowError,
     Skipped,
     TuningDB,
@@ -735,9 +738,13 @@ def test_writer_killed_mid_transaction_leaves_a_consistent_file(tmp_path):
 
 
 def test_a_directory_is_not_a_database(tmp_path):
-    with pytest.raises(DatabaseError, match="is a directory") as info:
-        TuningDB.open(tmp_path)
-    assert str(tmp_path) in str(info.value)
+    for readonly in (False, True):  # a reader said "nothing was recorded there yet"
+        with pytest.raises(DatabaseError, match="is a directory") as info:
+            TuningDB.open(tmp_path, readonly=readonly)
+        message = str(info.value)
+        assert str(tmp_path / "tuning.sqlite") in message and "nothing was recorded" not in message
+        # the remedy names what users pass: wrap's db=, the CLIs' --db, the variable (not TuningDB.open's path=)
+        assert "path=" not in message and "db=" in message and "--db" in message and "AUTORAGGED_DB" in message
 
 
 def test_a_parent_that_is_a_file(tmp_path):
@@ -787,6 +794,77 @@ def test_a_corrupt_sqlite_file(tmp_path):
         with TuningDB.open(path) as db:
             db.decisions()
     assert str(path) in str(info.value)
+
+
+def test_a_file_with_damaged_pages_is_refused_when_opened(tmp_path):
+    """A valid header and first page with damaged pages further in: SQLite opens such a file and fails only where
+    a query reads those pages, so a writer used to go on writing into it. Opening it checks it."""
+    path = tmp_path / "t.sqlite"
+    damaged = damaged_db(path)
+    for readonly in (False, True):
+        with pytest.raises(DatabaseError, match="is damaged") as info:
+            TuningDB.open(path, readonly=readonly)
+        assert isinstance(info.value, DamagedDatabase)
+        assert str(path) in str(info.value) and "AUTORAGGED_DB" in str(info.value)
+    assert path.read_bytes() == damaged  # left as it was, for the user to inspect
+
+
+def test_the_damage_check_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
+    """PRAGMA quick_check reads every page (86 ms for a 74 MB file on a 2-core CPU): once per process and file,
+    again only when the file has changed."""
+    from autoragged.tuning_db import _connect
+
+    path = tmp_path / "t.sqlite"
+    TuningDB.open(path).close()
+    checked = []
+    real = _connect._quick_check
+    monkeypatch.setattr(_connect, "_quick_check", lambda conn, path: checked.append(path) or real(conn, path))
+    for _ in range(3):
+        TuningDB.open(path).close()
+        TuningDB.open(path, readonly=True).close()
+    assert checked == [path]
+    with TuningDB.open(path) as db:
+        db.add_decisions([decision(i) for i in range(50)])
+    TuningDB.open(path, readonly=True).close()  # the file was written since its check
+    assert checked == [path, path]
+
+
+@pytest.mark.parametrize("denied", ["file", "directory"])
+def test_a_read_only_file_is_refused_for_writing_and_read_as_it_is(tmp_path, monkeypatch, denied):
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:
+        db.add_decisions([decision(0)])
+    before = path.read_bytes()
+    deny_writes(monkeypatch, path if denied == "file" else tmp_path)
+    with pytest.raises(DatabaseError, match="read-only") as info:
+        TuningDB.open(path)
+    assert isinstance(info.value, ReadOnlyDatabase) and str(path) in str(info.value)
+    with TuningDB.open(path, readonly=True) as db:
+        assert db.readonly and db.decisions() == [decision(0)]
+    assert path.read_bytes() == before
+
+
+def test_a_file_in_a_read_only_mount_is_read(tmp_path):
+    """For real: the directory is a read-only bind mount, where SQLite cannot make the -shm file a WAL reader
+    needs (it said "unable to open database file"), root included."""
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:
+        db.add_decisions([decision(i) for i in range(3)])
+    probe = (
+        "import sys\n"
+        "from autoragged.tuning_db import ReadOnlyDatabase, TuningDB\n"
+        "try:\n"
+        "    TuningDB.open(sys.argv[1])\n"
+        "except ReadOnlyDatabase as e:\n"
+        "    print('refused:', e)\n"
+        "with TuningDB.open(sys.argv[1], readonly=True) as db:\n"
+        "    print('read', len(db.decisions()))\n"
+    )
+    done = in_readonly_mount(tmp_path, ["-c", probe, str(path)])
+    assert done.returncode == 0, done.stderr
+    refused, read = done.stdout.splitlines()
+    assert refused.startswith(f"refused: the tuning database {path} is read-only") and read == "read 3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.sqlite"]
 
 
 def test_a_schema_from_a_newer_autoragged(tmp_path):

@@ -6,7 +6,9 @@
         db.decisions(device=key, limit=100)
 
 Everything read back is validated: a damaged or hostile row raises `RowError` naming it, or, given a
-`Skipped`, is left out and counted there (`python -m autoragged.report` does that).
+`Skipped`, is left out and counted there (`python -m autoragged.report` does that). A file with damaged pages is
+refused when it is opened (`DamagedDatabase`); one this process cannot write raises `ReadOnlyDatabase` when
+opened for writing, and can be opened with `readonly=True`.
 
 Retention: `prune_decisions(keep, rollup)` keeps the newest `keep` decisions per (device, signature) and adds
 the rest up into `decision_totals` / `decision_buckets` (autoragged's recorder does it in each flush, with
@@ -17,7 +19,7 @@ sqlite-utils itself is imported when a database is opened, so importing the reco
 """
 
 from ._db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, ModelRecord, TuningDB, default_path, keep_decisions
-from ._errors import DatabaseError, RowError
+from ._errors import DamagedDatabase, DatabaseError, ReadOnlyDatabase, RowError
 from ._rows import Skipped
 from .records import (
     BatchStats,
@@ -33,6 +35,8 @@ from .records import (
 __all__ = [
     "TuningDB",
     "DatabaseError",
+    "DamagedDatabase",
+    "ReadOnlyDatabase",
     "RowError",
     "Skipped",
     "default_path",

@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 from ._connect import (
     BUSY_TIMEOUT_S,
     ENV_VAR,
+    _check_intact,
     _check_location,
     _check_readable,
     _connect,
     _connect_optuna,
     _connect_readonly,
+    _directory_error,
     _migrate,
 )  # fmt: skip
 from ._encode import (
@@ -190,9 +192,10 @@ def _where(**filters: Any) -> tuple[str | None, list[Any]]:
 class TuningDB:
     """An open tuning database. Build with `TuningDB.open(path)`; also a context manager that closes it."""
 
-    def __init__(self, path: Path, conn: sqlite3.Connection, db: sqlite_utils.Database):
-        """Private: use `TuningDB.open`."""
+    def __init__(self, path: Path, conn: sqlite3.Connection, db: sqlite_utils.Database, readonly: bool = False):
+        """Private: use `TuningDB.open`. readonly: opened with readonly=True (every write raises DatabaseError)."""
         self.path = path
+        self.readonly = readonly
         self._conn: sqlite3.Connection | None = conn
         self._db = db
         self._lock = threading.Lock()
@@ -203,28 +206,33 @@ class TuningDB:
 
         readonly=True opens an existing database for reading only: nothing is created or migrated, and a
         file that is not a tuning database, or one at an older schema, is refused (a reader must not
-        change a file it was merely pointed at).
+        change a file it was merely pointed at). It reads a file in a read-only directory too.
 
-        Raises DatabaseError, naming the path and the remedy, for a directory, an unwritable location, a
-        file that is not SQLite or is corrupt, or a schema written by a newer autoragged.
+        The file's pages are checked first (`PRAGMA quick_check`, once per process for each version of the file).
+        Raises DatabaseError, naming the path and the remedy, for a directory, an unwritable location, or a schema
+        written by a newer autoragged; its subclass DamagedDatabase for a file that is damaged or not SQLite, and
+        ReadOnlyDatabase for an existing file this process cannot write (open it with readonly=True).
         """
         db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
+        if db_path.is_dir():
+            raise _directory_error(db_path)
         if readonly:
             if not db_path.is_file():
                 raise DatabaseError(f"no tuning database at {db_path} (nothing was recorded there yet)")
-            return cls._open_with(db_path, "opening it read-only", _connect_readonly, _check_readable)
+            return cls._open_with(db_path, "opening it read-only", _connect_readonly, _check_readable, readonly=True)
         _check_location(db_path)
         return cls._open_with(db_path, "opening it", _connect, _migrate)
 
     @classmethod
-    def _open_with(cls, db_path: Path, doing: str, connect, prepare) -> TuningDB:
-        """connect(path), then prepare(db, path); the connection is closed on any error, and SQLite's
-        errors are explained with the path."""
+    def _open_with(cls, db_path: Path, doing: str, connect, prepare, readonly: bool = False) -> TuningDB:
+        """connect(path), the pages checked, then prepare(db, path); the connection is closed on any error, and
+        SQLite's errors are explained with the path."""
         import sqlite_utils
 
         conn = None
         try:
             conn = connect(db_path)
+            _check_intact(conn, db_path)
             db = sqlite_utils.Database(conn, execute_plugins=False)
             prepare(db, db_path)
         except sqlite3.Error as e:
@@ -235,7 +243,7 @@ class TuningDB:
             if conn is not None:
                 conn.close()
             raise
-        return cls(db_path, conn, db)
+        return cls(db_path, conn, db, readonly)
 
     # -- plumbing
 
@@ -286,7 +294,7 @@ class TuningDB:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TuningDB({str(self.path)!r}{'' if self._conn else ', closed'})"
+        return f"TuningDB({str(self.path)!r}{', readonly' if self.readonly else ''}{'' if self._conn else ', closed'})"
 
     def close(self) -> None:
         """Close the connection (idempotent). SQLite checkpoints the WAL when the last connection closes."""

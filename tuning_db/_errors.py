@@ -5,13 +5,23 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-__all__ = ["DatabaseError", "RowError", "explain"]
+__all__ = ["DatabaseError", "DamagedDatabase", "ReadOnlyDatabase", "RowError", "explain"]
 
 _MOVE_AWAY = "move it away or point AUTORAGGED_DB elsewhere"
 
 
 class DatabaseError(Exception):
     """The tuning database cannot be opened, read or written; the message names the file and the remedy."""
+
+
+class DamagedDatabase(DatabaseError):
+    """The file cannot be read as SQLite: damaged pages (found by `PRAGMA quick_check` when it is opened, or by a
+    query that reads them), or not SQLite at all. Nothing should read from it or write into it."""
+
+
+class ReadOnlyDatabase(DatabaseError):
+    """The file, or the directory SQLite keeps its -wal and -shm files in, cannot be written. It can still be read:
+    `TuningDB.open(path, readonly=True)`."""
 
 
 class RowError(DatabaseError):
@@ -39,8 +49,12 @@ def explain(error: sqlite3.Error, path: Path, doing: str) -> DatabaseError:
     """Translate a sqlite3 error raised while `doing` (e.g. "writing decisions") into a DatabaseError."""
     text = str(error)
     code = _code(error)
-    if code.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in text or "malformed" in text:
-        return DatabaseError(
+    if code.startswith("SQLITE_CORRUPT") or "malformed" in text:
+        return DamagedDatabase(
+            f"the tuning database {path} is damaged: SQLite found it corrupt while {doing} ({text}); {_MOVE_AWAY}"
+        )
+    if code.startswith("SQLITE_NOTADB") or "not a database" in text:
+        return DamagedDatabase(
             f"the file is not a tuning database (corrupt or not SQLite): {path}; {_MOVE_AWAY} ({text})"
         )
     if code.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
@@ -49,7 +63,9 @@ def explain(error: sqlite3.Error, path: Path, doing: str) -> DatabaseError:
             "retry when the other writer (a tune run?) has finished, or point AUTORAGGED_DB elsewhere"
         )
     if code.startswith("SQLITE_READONLY") or "readonly" in text:
-        return DatabaseError(f"{path} is read-only ({text}) while {doing}; make it writable or {_MOVE_AWAY}")
+        return ReadOnlyDatabase(
+            f"the tuning database {path} is read-only ({text}) while {doing}; make it writable or {_MOVE_AWAY}"
+        )
     if code.startswith("SQLITE_CANTOPEN") or "unable to open" in text:
         return DatabaseError(
             f"cannot open the tuning database {path} ({text}); check that its directory exists and is writable, "
