@@ -54,18 +54,6 @@ class Arm:
     def graph(self) -> bool:
         return self.kind.endswith("_graph")
 
-    @property
-    def mask_only(self) -> bool:
-        """The ragged graph with Triton linears: predicted on every batch, but run only on mask-only batches
-        whose lengths are not read (the graph fed the mask, `_Runtime._judge_shape`). Where the lengths are
-        known the planner picks among the other arms. There it and the cuBLAS graph are within each other's
-        noise on most batches: held out on two H100 calibrations of 2026-11-23, choosing it too changed the
-        total time by 0.01% (mean regret per batch 1.61% and 1.79%, against 2.03% and 2.37% without it)
-        while 84 of 110 and 95 of 118 mistakes were one graph taken for the other
-        (benchmarks/calibration_ablation.py); and a bucket that ran both would hold two graphs of the
-        module's `graph_cap`."""
-        return self.kind == "ragged_graph" and self.config is not None and self.config.backend == "triton"
-
 
 PADDED = Arm("padded")
 PADDED_GRAPH = Arm("padded_graph")
@@ -106,10 +94,7 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     return Work(rows, linear, attention, rows * D * elt * passes * sig.layers + copies)
 
 
-FEATURE_VERSION = 8  # 3: graph buckets of LADDER_VERSION 2; 4: both graph buckets on every row; 5: Triton
-# linears of a ragged graph stop at the batch's rows (no bucket rows); 6: graph_spare_rows; 7: LADDER_VERSION 3
-# (a model fit on the graph latencies of ladder 2 would predict the cuBLAS graph up to 10% slow on big batches);
-# 8: the prior's graph launch cost per layer (AnalyticPrior; residuals over the old prior would be off by it)
+FEATURE_VERSION = 9  # bumped whenever the features or the prior change: a stored model is residuals over them
 FEATURE_NAMES = (
     "log2_batch", "log2_max_len", "log2_total", "pad_fraction", "cv",
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",

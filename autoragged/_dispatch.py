@@ -16,7 +16,7 @@ from torch import nn
 from ._recorder import RECORDER
 from .adapters import adapters_for
 from .kernels._config import KernelConfig
-from .runtime.core import CAPTURE_RULES, MASK_READS, POLICIES, Options, Runtime
+from .runtime.core import POLICIES, Options, Runtime
 from .tuning_db import Decision, default_path
 
 __all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "POLICIES"]
@@ -41,42 +41,31 @@ def wrap(
     db: str | Path | None | bool = None,
     policy: str = "auto",
     sample_every: int = 32,
-    explore: bool = True,
     validate_lengths: bool = True,
     config: KernelConfig | None = None,
     graphs: bool = True,
     graph_cap: int | None = None,
-    capture: str = CAPTURE_RULES[0],
-    mask_reads: str = MASK_READS[0],
 ) -> nn.Module:
     """Make every module of `model` that an adapter can run choose, per batch, between its own padded forward
     and our ragged kernels: `nn.TransformerEncoder` (and `nn.TransformerEncoderLayer` outside one), and the base
-    model of HuggingFace encoders (BERT family, ModernBERT; inside task models and sentence-transformers).
-    Returns `model` (changed in place: same object, parameters and state_dict; `unwrap` undoes it). Modules
-    that will always run padded, and models found but not wrapped, are named in one WARNING log line.
+    model of HuggingFace encoders (BERT family, ModernBERT; inside task models and sentence-transformers) and
+    decoders. Returns `model` (changed in place: same object, parameters and state_dict; `unwrap` undoes it).
+    Modules that will always run padded, and models found but not wrapped, are named in one WARNING log line.
 
     db:        the tuning database (default `$AUTORAGGED_DB` or ~/.cache/autoragged/tuning.sqlite) where
-               decisions and sampled latencies are recorded and the calibrated cost model is read;
+               decisions and timed latencies are recorded and the calibrated cost model is read;
                False records nothing and uses the analytic prior.
-    policy:    "auto" (cost model), "padded" or "ragged" (forced, for benchmarks and debugging; batches
-               the ragged arm cannot run still go padded, with the reason recorded).
-    sample_every: time every n-th batch (CUDA events, or the host clock on a CPU; 0: never); the planner learns
-                  from these. Also timed (unless 0): a mask-only shape's judged batches and its first unread
-                  replays, so a shape that skips the lengths read and measures slower goes back to reading them.
-    explore:   on sampled batches, try an arm that has too few measurements for that batch's bucket.
+    policy:    "auto" (runtime/policy.py: predicted, then timed costs), "padded" or "ragged" (forced, for
+               benchmarks and debugging; batches the ragged arm cannot run still go padded, with the reason).
+    sample_every: once an arm of a shape has three timings, time every n-th batch of the shape (CUDA events, or
+               the host clock on a CPU; 0: never time, and the policy decides on predictions alone).
     validate_lengths: when both `lengths=` and a padding mask are given, check they agree, real tokens first
                (one device->host copy); set False to trust `lengths` and skip the copy.
     config:    with policy="ragged", the `KernelConfig` to force (default: the untuned default).
-    graphs:    on CUDA, also consider each arm replayed as a CUDA graph of its shape bucket, captured when the
-               bucket's recurrence promises enough replays to repay the capture (runtime/graphs.py).
+    graphs:    on CUDA, also run the layers as CUDA graphs (one per batch size and width, captured in the background
+               where the policy wants one: graphs/).
     graph_cap: graphs kept per module, least recently used out; None (default): as many as fit a tenth of the
                device memory obtainable at the module's first capture (`autoragged.graph_stats` shows them).
-    capture:   "second_sight" (default): a bucket is captured the second time it is asked for; "pays": only when
-               its recurrence promises replays enough to repay the capture (lost on the benchmark of record).
-    mask_reads: "one_behind" (default): mask-only shapes are keyed by B and the padded length's bucket, trusted
-               after 2 verdicts, and re-judged from an earlier batch's stats without a read; a shape's timings of
-               the mask graph settle every shape of its (B, mask width) bucket; "recheck": keyed by (B, L),
-               trusted after 3, each shape timed alone, and every 16th batch of a trusted shape reads its lengths.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -84,10 +73,6 @@ def wrap(
         raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
     if not isinstance(sample_every, int) or sample_every < 0:
         raise ValueError(f"sample_every must be an int >= 0, got {sample_every!r}")
-    if capture not in CAPTURE_RULES:
-        raise ValueError(f"capture must be one of {CAPTURE_RULES}, got {capture!r}")
-    if mask_reads not in MASK_READS:
-        raise ValueError(f"mask_reads must be one of {MASK_READS}, got {mask_reads!r}")
     if graph_cap is not None and (not isinstance(graph_cap, int) or graph_cap < 1):
         raise ValueError(f"graph_cap must be None (sized from memory) or an int >= 1, got {graph_cap!r}")
     name = type(model).__name__  # (before an adapter swaps the class of a module it wraps)
@@ -99,8 +84,7 @@ def wrap(
             "(see the README's list of families)" + (f"; not wrapped: {'; '.join(skipped)}" if skipped else "")
         )
     db_path = _resolve_db(db)
-    options = Options(policy, db_path, sample_every, explore, validate_lengths, config, graphs, graph_cap, capture,
-                      mask_reads)  # fmt: skip
+    options = Options(policy, db_path, sample_every, validate_lengths, config, graphs, graph_cap)
     padded_forever = []
     for adapter, module in targets:
         for inner in module.modules():  # modules wrapped on their own earlier now run inside this one
@@ -145,7 +129,7 @@ def _targets(model: nn.Module) -> tuple[list, list[str]]:
 def _unwrap_one(module: nn.Module) -> None:
     runtime = module.__dict__.pop("_autoragged", None)
     if runtime is not None:
-        runtime._harvest(wait=True)  # sampled batches still in flight get their timings recorded
+        runtime.harvest(wait=True)  # timed batches still in flight get their timings recorded
         runtime.adapter.uninstall(module)
 
 
@@ -169,16 +153,18 @@ def recent_decisions(model: nn.Module, n: int = 100) -> list[Decision]:
 
 
 def graph_stats(model: nn.Module) -> dict:
-    """{module name: `GraphStats`} for every wrapped module in `model`: CUDA graphs kept, their bytes and
-    budget, captures and their ms, evictions, batches run eagerly because a capture would not have paid."""
-    from .runtime.graphs import GraphStats
+    """{module name: `GraphStats`} for every wrapped module in `model`: CUDA graphs kept, their estimated bytes and
+    budget, captures and their ms, captures pending, failed, evictions."""
+    from .graphs.cache import GraphStats
 
     out = {}
     for name, m in model.named_modules():
         runtime = m.__dict__.get("_autoragged")
         if runtime is not None:
             graphs = runtime.graphs
-            out[name or type(m).__name__] = graphs.stats() if graphs is not None else GraphStats(cap=runtime.graph_cap)
+            out[name or type(m).__name__] = (
+                graphs.stats() if graphs is not None else GraphStats(cap=runtime.options.graph_cap)
+            )
     return out
 
 

@@ -277,7 +277,7 @@ def _align(runtime, longest: int, align: int | None) -> int:
         return check_align(align)
     from ._planner import default_ragged_config
 
-    config = runtime.forced_config or default_ragged_config(runtime.body.head_dim, longest)
+    config = runtime.options.config or default_ragged_config(runtime.body.head_dim, longest)
     return config.align
 
 

@@ -160,9 +160,9 @@ def time_close_calls(fns: Sequence[Callable[[], object]], device: torch.device, 
 
 
 class ArmRunner:
-    """Runs any arm on a wrapped model through the runtime's execute path (what the runtime runs): a torch
+    """Runs any arm on a wrapped model through the runtime's own execute path (what the runtime runs): a torch
     encoder (`run`: padded x and its key padding mask) or an HF encoder (`run_call` of `hf_call(kwargs)`);
-    `batch_runner` makes a random batch of either kind."""
+    `batch_runner` makes a random batch of either kind. A graph arm's graph is captured at its first run."""
 
     def __init__(self, model: nn.Module):
         from ._dispatch import wrap
@@ -170,18 +170,17 @@ class ArmRunner:
         self.encoder = wrap(model, db=False, policy="auto", sample_every=0)
         self.module = next(m for m in self.encoder.modules() if hasattr(m, "_autoragged"))
         self.runtime = self.module._autoragged
-        self.runtime.graph_min_seen = 1  # measuring a graph arm means capturing it at once
         self.sig = self.runtime.sig
         self.hf = not isinstance(self.module, (nn.TransformerEncoder, nn.TransformerEncoderLayer))
 
     def arms(self, arms: Sequence[Arm]) -> list[Arm]:
-        """The arms of `arms` this model's body can run (no padded graph for HF models, whose sdpa mask code
-        synchronises; Triton-linear graphs only where the layers run as fused specs)."""
+        """The arms of `arms` this model's body can run: the padded arm, the eager ragged arm, and the ragged graph
+        (Triton linears) where the layers run as fused specs."""
         body = self.runtime.body
         return [
             a for a in arms
-            if not (a.kind == "padded_graph" and body.padded_forward is None)
-            and not (a.graph and a.ragged and a.config.backend == "triton" and not body.fused)
+            if a.kind in ("padded", "ragged")
+            or (a.kind == "ragged_graph" and a.config is not None and a.config.backend == "triton" and body.fused)
         ]  # fmt: skip
 
     def batch_runner(self, lengths: tuple[int, ...], stats: BatchStats, seed: int = 0) -> Callable[[Arm], object]:
@@ -200,7 +199,7 @@ class ArmRunner:
         kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
                   "attention_mask": keep.long().to(device)}  # fmt: skip
         if self.runtime.adapter.name == "hf_decoder":
-            kwargs["use_cache"] = False  # a scoring call: a cache would keep the graph arms from running
+            kwargs["use_cache"] = False  # a scoring call: a cache would keep the graph arm from running
         return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
@@ -216,7 +215,4 @@ class ArmRunner:
     def run_call(self, arm: Arm, call, lengths: tuple[int, ...], stats: BatchStats):
         scope = getattr(call, "scope", None)  # an HF call: the body may read it (hf_decoder's positions)
         with torch.inference_mode(), scope() if scope is not None else contextlib.nullcontext():
-            out, note = self.runtime._execute(self.module, call, arm, lengths, stats, None)
-        if note:
-            raise RuntimeError(f"{arm.label} did not run as asked: {note}")
-        return out
+            return self.runtime.execute(self.module, call, arm, lengths, stats)

@@ -19,14 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["render_text", "render_html"]
 
 
-def _shown(label: str, device: str) -> str:
-    """An arm label as the report prints it for `device` (a DeviceKey.key, `...|cccpu|...` on a CPU). A config
-    of the "cublas" linear backend calls torch.nn.functional.linear, which is cuBLAS on a GPU only; on a CPU it
-    is PyTorch's CPU matmul, printed "-torch". The labels the data carries (Decision.predicted_ms) stay as
-    they are."""
-    if label.endswith("-cublas") and "|cccpu|" in device:
-        return label.removesuffix("-cublas") + "-torch"
-    return label
+def _on_cpu(device: str) -> bool:
+    """Whether a device key (`DeviceKey.key`) is a CPU's."""
+    return "|cccpu|" in device
 
 
 def _metric(metrics: dict[str, Any], name: str, kind: type = float) -> Any:
@@ -84,6 +79,9 @@ def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
                       "calibrates this device).")]  # fmt: skip
     applies = "all signatures" if c.signature == "*" else c.signature
     used = "" if c.current else f" (feature version {c.feature_version}: this autoragged ignores it; re-run tune)"
+    if c.current and not c.adopted:
+        used = (" (not adopted: it picked worse than the analytic prior on held-out batches; the runtime decides "
+                "with the prior)")  # fmt: skip
     rows = [
         ("cost model", f"#{c.model_id} {c.kind}, for {applies}{used}"),
         ("calibrated", f"{_when(c.created)} ({_count_of(dev.models, 'model')} stored)"),
@@ -159,7 +157,7 @@ def _rolled_note(m: ModuleSummary) -> str:
 
 
 def _module_blocks(m: ModuleSummary) -> list[tuple]:
-    configs = [(_shown(s.label, m.device), s.batches, _pct(s.share)) for s in m.configs]
+    configs = [(s.label, s.batches, _pct(s.share)) for s in m.configs]
     blocks: list[tuple] = [
         ("h", 3, f"module {m.signature}"),
         ("p", f"{_count_of(m.batches, 'batch')} from {_when(m.first)} to {_when(m.last)}." + _rolled_note(m)),
@@ -174,20 +172,28 @@ def _module_blocks(m: ModuleSummary) -> list[tuple]:
         blocks.append(("table", ["decided by", "batches", "share"], rows))
     blocks.append(("table", ["measured on sampled batches", "value"], _checks_rows(m)))
     g = m.graphs
-    if g.captures or g.evictions or g.declined or g.failed:
-        rows = [("captured (after the batch's eager run)", g.captures),
-                ("evicted (the module's graph cap or memory budget)", g.evictions),
-                ("batches run eagerly: a capture would not have paid yet", g.declined),
-                ("failed captures (the bucket then runs eagerly)", g.failed)]  # fmt: skip
+    if g.captures or g.failed:
+        rows = [("captures asked of the background worker", g.captures),
+                ("batches whose graph could not be captured (they run eagerly)", g.failed)]  # fmt: skip
         blocks.append(("table", ["CUDA graphs", "count"], rows))
     s = m.saved
-    if s.batches:
+    if s.batches and s.relative_only:
+        title = (f"estimated time saved (relative only: the analytic prior on a CPU, {_count_of(s.batches, 'batch')} "
+                 "with both arms predicted)")  # fmt: skip
+        shares = (("vs always padded", s.vs_padded_pct), ("vs always ragged (best config per batch)", s.vs_ragged_pct))
+        rows = [(label, "-" if pct is None else f"{pct:+.1f}%") for label, pct in shares]
+        blocks.append(("table", [title, "% of the time"], rows))
+        blocks.append(("p", "On a CPU the analytic prior's latencies are not calibrated: on a 2-core CPU they ran "
+                            "about 100x the measured ones, and it predicts from a module's shape alone, so every "
+                            "model of one shape gets the same numbers. Only the share of time saved is shown; "
+                            "python -m autoragged.tune calibrates this CPU."))  # fmt: skip
+    elif s.batches:
         title = f"estimated time saved (cost-model estimate, {_count_of(s.batches, 'batch')} with both arms predicted)"
         blocks.append(("table", [title, "ms", "%"], _saved_rows(s)))
     else:
         blocks.append(("p", "Estimated time saved: no batch had both a padded and a ragged prediction."))
     key = f"{m.device}|{m.signature}"
-    blocks.append(("fig", f"map|{key}", f"decision map of {m.signature}: mean length vs padding fraction"))
+    blocks.append(("fig", f"map|{key}", f"decision map of {m.signature} (mean length against padding fraction)"))
     blocks.append(("fig", f"pvm|{key}", f"predicted vs measured latency of {m.signature} (sampled batches)"))
     return blocks
 
@@ -239,8 +245,9 @@ h2 { border-top: 2px solid #888; padding-top: 0.6em; margin-top: 2em; }
 """
 
 
-def render_html(s: Summary, images: dict[str, bytes]) -> str:
-    """One self-contained HTML page: the tables of `render_text` and the PNGs of `images` (by figure key)."""
+def render_html(s: Summary, images: dict[str, bytes | str]) -> str:
+    """One self-contained HTML page: the tables of `render_text` and the PNGs of `images` (by figure key); a figure
+    whose entry is a str, or that has none, is one line saying why there is no picture."""
     esc = html.escape
     parts = [f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>autoragged decision report</title>"
              f"<style>{_CSS}</style></head><body>"]  # fmt: skip
@@ -255,9 +262,9 @@ def render_html(s: Summary, images: dict[str, bytes]) -> str:
             body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         elif kind == "fig":
-            png = images.get(block[1])
-            if png is None:
-                parts.append(f"<p class='missing'>{esc(block[2])}: no data.</p>")
+            png = images.get(block[1], "there is nothing to draw")
+            if isinstance(png, str):  # one line saying why, in place of an empty picture
+                parts.append(f"<p class='missing'>No {esc(block[2])}: {esc(png)}.</p>")
             else:
                 data = base64.b64encode(png).decode("ascii")
                 parts.append(f"<figure><img src=\"data:image/png;base64,{data}\" alt=\"{esc(block[2])}\">"

@@ -12,8 +12,7 @@ __all__ = ["Share", "TimeSaved", "Regret", "GraphEvents", "ModuleSummary", "Cali
 @dataclass
 class Share:
     """How many of a module's batches went one way. label: an arm ("padded", "ragged") or an arm label
-    ("padded", "ragged:m64n64k64w4s2a1-cublas"; the printed report shows "-torch" for it on a CPU, where those
-    linears run PyTorch's CPU matmul); batches: count; share: batches / module batches (0..1)."""
+    ("padded", "ragged:m64n64k64w4s2a1-cublas"); batches: count; share: batches / module batches (0..1)."""
 
     label: str
     batches: int
@@ -29,7 +28,9 @@ class TimeSaved:
     predicted["padded"] (the module as written, eager); always_ragged_ms = sum of the best predicted eager
     ragged config per batch (graph-replayed arms are not baselines); vs_*_ms = always_*_ms - chosen_ms
     (ms, positive = the choices were faster); vs_*_pct = 100 * vs_*_ms / always_*_ms (percent, None when
-    there is nothing to divide by).
+    there is nothing to divide by). relative_only: the predictions include the analytic prior's on a CPU, whose
+    absolute scale is not calibrated (there they ran about 100x the measured latencies, and are the same for
+    every model of one shape): only the percentages mean something, not the milliseconds.
     """
 
     batches: int = 0
@@ -40,6 +41,7 @@ class TimeSaved:
     vs_padded_pct: float | None = None
     vs_ragged_ms: float = 0.0
     vs_ragged_pct: float | None = None
+    relative_only: bool = False
 
 
 @dataclass
@@ -68,15 +70,11 @@ class Regret:
 
 @dataclass
 class GraphEvents:
-    """CUDA-graph captures and evictions of one module, from its decisions' reasons (the runtime notes them on
-    the batch after whose eager run a graph was captured). captures: graphs captured so; evictions: graphs
-    evicted to keep a new one within the module's cap or memory budget; declined: batches run eagerly because
-    a capture would not have paid yet; failed: captures that failed. Decisions already added up into totals
-    keep their reasons with the numbers left out: each such batch counts one eviction."""
+    """CUDA-graph captures of one module, from its decisions' reasons. captures: batches that asked the background
+    worker for their graph (each capture is asked once); failed: batches whose graph could not be captured (they
+    ran eagerly)."""
 
     captures: int = 0
-    evictions: int = 0
-    declined: int = 0
     failed: int = 0
 
 
@@ -119,7 +117,9 @@ class Calibration:
     """The newest cost model stored for a device (what `python -m autoragged.tune` fit).
 
     model_id, kind, signature ("*" = all signatures), feature_version; current: whether this autoragged's
-    runtime reads it (same feature version); created: unix seconds; accuracy: share of held-out batches
+    runtime reads it (same feature version); adopted: False when the tuner found it picked worse than the
+    analytic prior on held-out batches (stored for the record; the runtime decides with the prior);
+    created: unix seconds; accuracy: share of held-out batches
     where the model picked the fastest arm (0..1); mean_regret, p95_regret: latency of its pick / best - 1
     on held-out batches (fractions); mape: held-out latency error (fraction); holdout: how rows were held
     out; rows: measurements fit on; metrics: everything the tuner stored. A metric not stored is None.
@@ -138,6 +138,7 @@ class Calibration:
     holdout: str | None
     rows: int | None
     metrics: dict[str, Any]
+    adopted: bool = True
 
 
 @dataclass

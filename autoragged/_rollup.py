@@ -28,7 +28,7 @@ from ._planner import bucket_key
 from .kernels._config import KernelConfig
 from .tuning_db import BucketTotals, Decision, DecisionTotals, config_key
 
-__all__ = ["rollup", "arm_label", "reason_class", "forced", "exploring", "PERIOD_S", "BUCKET_PERIOD_S"]
+__all__ = ["rollup", "arm_label", "reason_class", "forced", "exploring", "predicted_of", "PERIOD_S", "BUCKET_PERIOD_S"]
 
 PERIOD_S = 3600.0  # decision_totals: an hour (how finely `report --since` splits decisions no longer kept)
 BUCKET_PERIOD_S = 86400.0  # decision_buckets: a day (timed batches are 1 in `sample_every`; buckets are many)
@@ -73,7 +73,15 @@ def forced(d: Decision) -> bool:
 
 
 def exploring(d: Decision) -> bool:
-    return d.reason.startswith("exploring")
+    """A batch run to time an arm, not because it was predicted best ("trying it"; "exploring" in older records)."""
+    return d.reason.startswith(("trying it", "exploring"))
+
+
+def predicted_of(d: Decision, label: str) -> float | None:
+    """The prediction for the arm that ran: keyed by its kind ("padded", "ragged", "ragged_graph"), or by its label
+    in records of older versions."""
+    predicted = d.predicted_ms
+    return predicted.get(d.arm, predicted.get(label))
 
 
 def _totals(d: Decision, label: str) -> DecisionTotals:
@@ -82,12 +90,12 @@ def _totals(d: Decision, label: str) -> DecisionTotals:
     t = DecisionTotals(d.device, d.signature, period, d.arm, label, reason_class(d.reason), forced(d), 1, d.time,
                        d.time)  # fmt: skip
     ms, predicted = d.measured_ms, d.predicted_ms
+    chosen, padded = predicted_of(d, label), predicted.get("padded")
     if ms is not None:
         t.sampled, t.measured_sum, t.measured_min, t.measured_max = 1, ms, ms, ms
-        if ms > 0 and label in predicted:
-            t.ape_batches, t.ape_sum = 1, abs(predicted[label] - ms) / ms
-    chosen, padded = predicted.get(label), predicted.get("padded")
-    ragged = [v for k, v in predicted.items() if k.startswith("ragged:")]
+        if ms > 0 and chosen is not None:
+            t.ape_batches, t.ape_sum = 1, abs(chosen - ms) / ms
+    ragged = [v for k, v in predicted.items() if k == "ragged" or k.startswith("ragged:")]
     if chosen is not None and padded is not None and ragged:
         t.saved_batches, t.chosen_ms, t.padded_ms, t.ragged_ms = 1, chosen, padded, min(ragged)
     return t

@@ -1,11 +1,11 @@
-"""`autoragged.warmup()`: pay compilation, capture and the planner's first guesses before traffic arrives.
+"""`autoragged.warmup()`: pay compilation, capture and the policy's first timings before traffic arrives.
 
-A stream of new batches pays, on first sight of each shape, the Triton kernels' compilation (an empty Triton
-cache after a deploy compiles every specialisation again), the CUDA graphs' captures and the planner's first
-guesses. `warmup` runs synthetic batches of the shapes a workload will bring through every wrapped module in
-the model, exactly as traffic would run them (the same planner, mask-only judgements and capture policy), so
-that those costs are paid now; the recurrence it counts carries over to the traffic. Nothing it runs is
-recorded in the tuning database (the in-process planner keeps what it timed).
+Traffic meets each new shape with what is ready: kernels compile on their first launch (an empty Triton cache
+after a deploy compiles every specialisation again), and a graph is captured in the background while the shape
+runs eagerly. `warmup` runs synthetic batches of the shapes a workload will bring through every wrapped module,
+exactly as traffic runs them, waits for the captures they asked for, and runs them again so that each shape's
+arms are timed: new batches from that workload then find their graphs captured, their kernels compiled and their
+arm chosen. Its batches are recorded like any (their reason ends in "(warmup)").
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._buckets import cublas_rows, mask_rungs, mask_tokens, mask_width
+from ._buckets import cublas_rows, mask_width
 from ._layout import Layout
 from ._planner import default_ragged_config
+from .graphs.worker import worker
 from .kernels._ahead import drain as drain_ahead
+from .runtime.policy import MIN_SAMPLES
 from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
 
 __all__ = ["warmup", "WarmupSummary"]
@@ -55,7 +57,6 @@ class WarmupSummary:
     graphs: int = 0
     graph_bytes: int = 0
     evictions: int = 0
-    declined: int = 0
     bound_reached: bool = False
     cublas_rows: int = 0
     ahead_s: float = 0.0
@@ -79,16 +80,15 @@ def warmup(
         (lists of lengths), run as given; or "calibration": the batch shapes the tuning database's
         calibration of this device measured (for each module's signature, else any).
     batch_sizes: the batch sizes traffic brings (default 32, 64, 128); not used with explicit batches.
-    batches: synthetic batches per workload and batch size (the policy captures a bucket once its recurrence
-        promises the capture back, so a bucket must come round a few times). On a GPU, a CoRa workload or a
-        length sample also gets a few batches for each length bucket the draws missed, from one below the
-        narrowest drawn up to its longest sequence (`_tail`).
+    batches: synthetic batches per workload and batch size. On a GPU, a CoRa workload or a length sample also
+        gets a few batches for each graph width the draws missed, from one below the narrowest drawn up to its
+        longest sequence (`_tail`).
     inputs: "mask" (the key padding / attention mask, as PyTorch and HF code call a model), "lengths"
         (`lengths=` host ints) or "both": what traffic will pass.
     max_memory: bytes the captures may add (or a fraction of the device's free memory); None: only the
         graph cache's own budget (`wrap(graph_cap=)`).
     progress: a tqdm progress bar. seed: for the batches drawn.
-    It returns once the kernel variants handed to the background compiler meanwhile are compiled too.
+    It returns once the captures and the kernel variants handed to the background meanwhile are done.
     Returns a `WarmupSummary`. Works anywhere: on a CPU there are no graphs to capture.
     """
     if inputs not in INPUTS:
@@ -107,7 +107,7 @@ def warmup(
     if longest is not None:  # the length buckets the draws missed, up to the workload's longest sequence
         plan = [(name, m, groups + _tail(groups, longest, m._autoragged)) for name, m, groups in plan]
     modes = (True, False) if inputs == "both" else (inputs == "mask",)
-    total = sum(len(groups) for _, _, groups in plan) * len(modes)
+    total = sum(len(groups) for _, _, groups in plan) * len(modes) * 2
     summary = WarmupSummary()
     t0 = time.perf_counter()
     with _compile_clock() as compile_s, _progress(total, progress) as bar, torch.inference_mode():
@@ -116,10 +116,9 @@ def warmup(
             why = _warm_module(label, module, groups, modes, max_memory, bar, summary)
             if why is not None:
                 summary.skipped[label] = why
-                bar.update(len(groups) * len(modes))
-        # The variants the warm batches handed to the background compiler (the other tiles of each kernel they
-        # launched) must be ready too: a first process's queue was still compiling when its traffic came, and
-        # a capture in the stream compiled a layout variant itself (0.3 s; CoRa CoLA B=128, H200, 2026-11-26)
+                bar.update(len(groups) * len(modes) * 2)
+        # the variants the warm batches handed to the background compiler (the other tiles of each kernel they
+        # launched) must be ready too: one compiled at first sight costs traffic 0.1-0.3 s
         t_ahead = time.perf_counter()
         drain_ahead()
         summary.ahead_s = time.perf_counter() - t_ahead
@@ -129,171 +128,111 @@ def warmup(
 
 
 def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str | None:
-    """Run `groups` (lists of lengths) through `module`; None, or why it could not be warmed."""
+    """Run `groups` (lists of lengths) through `module` as traffic would, wait for the captures they asked for,
+    and run them again; None, or why the module could not be warmed."""
     runtime = module._autoragged.ready(module)
     synthetic = getattr(runtime.body, "synthetic", None)
     if synthetic is None:
         return f"its adapter ({runtime.adapter.name}) makes no synthetic batches"
     device = runtime._param().device
-    cache = runtime._graph_cache(device) if runtime.graphs_enabled else None
-    before = _cache_state(cache)
+    cache = runtime.graphs_for(device) if device.type == "cuda" and runtime.options.graphs else None
+    before = cache.stats() if cache is not None else None
+    keys_before = set(cache.graphs) if cache is not None else set()
     if cache is not None and max_memory is not None:
         bound = max_memory
         if isinstance(max_memory, float) and max_memory <= 1.0:
             bound = int(max_memory * torch.cuda.mem_get_info(device)[0])
         cache.limit_bytes = cache.kept_bytes + int(bound)
-    recording, runtime.recording = runtime.recording, False
     limit = getattr(runtime.body, "max_tokens", None)
+    clipped = [[min(n, limit) for n in g] if limit is not None else g for g in groups]
     try:
-        for lengths in groups:
-            if limit is not None:
-                lengths = [min(n, limit) for n in lengths]
-            L = max(max(lengths), 1)
-            for mask in modes:
-                args, kwargs = synthetic(lengths, L, device, mask=mask)
-                module(*args, **kwargs)
-                summary.batches += 1
-                bar.update(1)
+        _force_first_runs(module, clipped, device)
+        for _ in range(2):  # traffic's first sight (asks for captures), then again (times the graphs)
+            for lengths in clipped:
+                for mask in modes:
+                    args, kwargs = synthetic(lengths, max(max(lengths), 1), device, mask=mask)
+                    with _tagged(module._autoragged):
+                        module(*args, **kwargs)
+                    summary.batches += 1
+                    bar.update(1)
+            worker.drain()
+            if module._autoragged.graphs is not None:
+                module._autoragged.graphs.record_ready()
         runtime = module._autoragged  # (a structure change re-binds the module)
-        if True in modes:
-            _warm_mask_graphs(module, runtime, groups, device)
-            runtime = module._autoragged
-        _warm_arms(module, runtime, groups, device)
-        runtime = module._autoragged
-        summary.cublas_rows += _warm_cublas_rows(runtime, groups, device)
-        runtime._harvest(wait=True)
+        summary.cublas_rows += _warm_cublas_rows(runtime, clipped, device)
+        runtime.harvest(wait=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
-        runtime.recording = recording
         if cache is not None:
             summary.bound_reached |= cache.limit_bytes is not None and cache.kept_bytes >= cache.limit_bytes
             cache.limit_bytes = None
     summary.modules += 1
-    after = _cache_state(cache)
-    summary.captured += [f"{label}: {_bucket_label(k)}" for k in after["keys"] if k not in before["keys"]]
-    summary.capture_s += (after["capture_ms"] - before["capture_ms"]) / 1e3
-    summary.evictions += after["evictions"] - before["evictions"]
-    summary.declined += after["declined"] - before["declined"]
-    summary.graphs += len(after["keys"])
-    summary.graph_bytes += after["bytes"]
+    if cache is not None:
+        after = cache.stats()
+        summary.captured += [f"{label}: {_key_label(k)}" for k in cache.graphs if k not in keys_before]
+        summary.capture_s += (after.capture_ms - before.capture_ms) / 1e3
+        summary.evictions += after.evictions - before.evictions
+        summary.graphs += after.graphs
+        summary.graph_bytes += after.kept_bytes
     return None
 
 
-def _warm_mask_graphs(module, runtime, groups, device) -> None:
-    """For each batch size whose warm batches left a mask graph (the ragged graph fed the mask) captured, one for
-    every other mask-graph length bucket its batches reached: a batch of the bucket runs once as a shape trusted
-    for the mask graph, and the shape's verdict is put back as it was (traffic judges it). A verdict is per shape
-    and made on the batch at hand: the tail's batches of CoLA B=128 (one sequence stretched to 37 tokens) were
-    judged for the read path, the stream's batches of that bucket for the mask graph, whose capture then fell in
-    the stream (28-36 ms, 1.20-1.26x the warm stream; HF bert-base, H200, 2026-11-26,
-    `stream_table_fresh_bert_cola128_buckets_h200.json`). These runs leave no other trace: the batch counter
-    that picks the sampled batches is put back too (their shift had an explored padded batch, 50 ms, fall into
-    a stream that had none). Widest first: a graph serves batches up to 2x narrower (`GraphCache.mask_serving`).
-    Only on a GPU, where the planner chooses."""
-    from ._costmodel import Arm
-    from ._planner import graph_config
-    from .runtime.unread import _shape_entry
-
-    cache = runtime.graphs
-    if device.type != "cuda" or cache is None or runtime.policy != "auto" or runtime.static_reason:
-        return
-    sizes = {k[2] for k in cache.graphs if k[0] == "ragged" and k[6] == "mask"}  # batch sizes with mask graphs
-    have: set[tuple] = set()  # (batch, width, tokens bucket) run here
-    limit = getattr(runtime.body, "max_tokens", None)
-    clipped = [[min(n, limit) for n in lengths] if limit is not None else lengths for lengths in groups]
-    for lengths in sorted(clipped, key=max, reverse=True):  # widest first: a graph serves narrower batches too
-        B, L = len(lengths), max(max(lengths), 1)
-        width = mask_width(L)
-        if B not in sizes:
-            continue
-        # kept: a graph that serves the batch (GraphCache.mask_serving: of this width or up to 2x wider, with
-        # cuBLAS branches one whose rungs hold its tokens); else GraphCache.ragged_mask captures one, as traffic would
-        tokens = sum(lengths)
-        rungs = runtime.mask_rungs and bool(mask_rungs(tokens, B * width))
-        tried = (B, width, mask_tokens(tokens) if rungs else None)
-        if tried in have or cache.mask_serving(B, width, tokens, rungs) is not None:
-            continue
-        have.add(tried)
-        key = runtime._shape_key(B, L)
-        kept = runtime.mask_shapes.get(key)
-        arm = Arm("ragged_graph", graph_config(runtime.body.head_dim, L, "triton"))
-        runtime.mask_shapes[key] = _shape_entry(runtime.trust, arm, {}, tokens, B * width, (B, width))
-        count = runtime.count
-        try:
-            args, kwargs = runtime.body.synthetic(lengths, L, device, mask=True)
-            module(*args, **kwargs)
-        finally:
-            runtime = module._autoragged
-            runtime.count = count
-            if kept is None:
-                runtime.mask_shapes.pop(key, None)
-            else:
-                runtime.mask_shapes[key] = kept
+@contextlib.contextmanager
+def _tagged(runtime):
+    """Batches run inside are recorded with "(warmup)" at the end of their reason."""
+    runtime.tag = " (warmup)"
+    try:
+        yield
+    finally:
+        runtime.tag = ""
 
 
-def _warm_arms(module, runtime, groups, device) -> None:
-    """One batch of each batch size through each eager arm, forced: the padded forward and the eager ragged arm.
-    The planner explores them in traffic, and the first run of an arm in a process pays for its kernels'
-    first use: after `warmup()`, an explored padded batch of the CoRa encoder (PyTorch's fast path) took 190 ms
-    of a cold 100-batch RACE B=128 stream (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process`).
-    Only where the planner chooses (policy "auto") on a GPU."""
+def _force_first_runs(module, groups, device) -> None:
+    """One batch of each batch size through the padded and the eager ragged arm, forced: an arm's first run in a
+    process pays its kernels' first use (cuBLAS's handles, PyTorch's fast path), which a trial in traffic would
+    otherwise pay. Only on a GPU, where the policy chooses."""
+    runtime = module._autoragged
     if device.type != "cuda" or runtime.policy != "auto" or runtime.static_reason:
         return
-    synthetic, first = runtime.body.synthetic, {}
+    first: dict[int, list[int]] = {}
     for lengths in groups:
         first.setdefault(len(lengths), lengths)
-    limit = getattr(runtime.body, "max_tokens", None)
     try:
-        for policy in ("padded", "ragged"):
-            runtime.policy = policy
+        for forced in ("padded", "ragged"):
+            runtime.policy = forced
             for lengths in first.values():
-                lengths = [min(n, limit) for n in lengths] if limit is not None else lengths
-                args, kwargs = synthetic(lengths, max(max(lengths), 1), device, mask=True)
-                module(*args, **kwargs)
+                args, kwargs = runtime.body.synthetic(lengths, max(max(lengths), 1), device, mask=True)
+                with _tagged(runtime):
+                    module(*args, **kwargs)
     finally:
         module._autoragged.policy = "auto"
 
 
 def _warm_cublas_rows(runtime, groups, device) -> int:
-    """Run the module's layers eagerly with cuBLAS linears on zeros, once on every row rung (`cublas_rows`) up
-    to the most tokens a batch of `groups`' sizes and lengths can hold (or 1.5x the most a batch brought, if
-    less); returns how many rungs. cuBLAS's first call on a row count costs 0.14-5 ms of host time per weight
-    shape, and the eager arm runs on rungs: a stream's eager runs (a graph bucket's first sight, a batch longer
-    than any before) then find them paid.
-    After `warmup()` on MNLI B=32 one such run still cost 16-23 ms of a cold 100-batch stream's 42-50 ms, on
-    a rung no warm-up batch had reached (H200, 2026-11-26, `benchmarks/stream_table.py --fresh-process
-    --warmup-call`). Nothing here on a CPU, for causal (decoder) modules, nor where the ragged arm never runs."""
+    """Run the module's layers eagerly with cuBLAS linears on zeros, once on every row rung (`cublas_rows`) up to
+    the most tokens a batch of `groups`' sizes and lengths can hold (or 1.5x the most a batch brought, if less);
+    returns how many rungs. cuBLAS's first call on a row count costs 0.14-5 ms of host time per weight shape, and
+    the eager arm runs on rungs: a stream's eager runs then find them paid. Nothing on a CPU, for causal (decoder)
+    modules, nor where the ragged arm never runs."""
     body = runtime.body
     if device.type != "cuda" or body.causal or runtime.static_reason or runtime.policy == "padded":
         return 0
-    # up to what a batch of the sizes and lengths can hold, at most half again the most tokens a batch brought
     top = cublas_rows(max(min(len(g) * max(g, default=0), sum(g) * 3 // 2) for g in groups))
     piece = max(1, min(64, getattr(body, "max_tokens", None) or 64))  # components short enough for cheap attention
     config = default_ragged_config(body.head_dim, piece)  # cuBLAS linears
     dtype, rows, n = runtime._param().dtype, cublas_rows(1), 0
-    while rows <= top:
-        lengths = (piece,) * (rows // piece) + ((rows % piece,) if rows % piece else ())
-        body.values(torch.zeros(rows, body.d_model, dtype=dtype, device=device), Layout.make(lengths), config, False)
-        rows, n = cublas_rows(rows + 1), n + 1
+    with torch.inference_mode():
+        while rows <= top:
+            lengths = (piece,) * (rows // piece) + ((rows % piece,) if rows % piece else ())
+            x = torch.zeros(rows, body.d_model, dtype=dtype, device=device)
+            body.values(x, Layout.make(lengths), config, False)
+            rows, n = cublas_rows(rows + 1), n + 1
     return n
 
 
-def _cache_state(cache) -> dict:
-    if cache is None:
-        return {"keys": [], "capture_ms": 0.0, "evictions": 0, "declined": 0, "bytes": 0}
-    return {"keys": list(cache.graphs), "capture_ms": cache.capture_ms, "evictions": cache.evictions,
-            "declined": cache.declined, "bytes": cache.kept_bytes}  # fmt: skip
-
-
-def _bucket_label(key: tuple) -> str:
-    """A graph bucket key as a short label: ragged/<io> rows x batch x max_len <config>, or padded/<io> B x L."""
-    if key[0] == "ragged":
-        rows, batch, max_len, config, causal, io = key[1:7]
-        inputs = f" ({key[7]})" if len(key) > 7 and key[7] else ""
-        return f"ragged/{io}{inputs} {rows} rows, {batch} x {max_len}, {config.short()}{' causal' if causal else ''}"
-    batch, length, io = key[1:]
-    return f"padded/{io} {batch} x {length}"
+def _key_label(key) -> str:
+    return f"{key.batch} x {key.width}, {key.lengths_from} ({key.inputs}){' causal' if key.causal else ''}"
 
 
 # -- the batches ----------------------------------------------------------------------------------------------
@@ -339,22 +278,14 @@ def _longest(workload) -> int | None:
     return None
 
 
-# Each tail bucket is run this many times: a mask shape is trusted after 2 reads and its graph captured at the
-# next sight (runtime/unread.py `_TRUST`), the read path's graph bucket at its 2nd-3rd (graphs.py `min_seen`)
-_TAIL_SIGHTS = 3
-
-
 def _tail(groups: list[list[int]], longest: int, runtime) -> list[list[int]]:
-    """Batches for the length buckets of the mask graph (`mask_width`, 2 per octave) that no drawn batch of a
-    batch size reached, from one bucket below the narrowest drawn to the one of `longest`: each a drawn batch
-    (the one with the longest sequence under the bucket's width, else the shortest) with its lengths cut to
-    the width and its longest one set to it (at most `longest`), `_TAIL_SIGHTS` times each. Only where graphs
-    run (a GPU). A stream after `warmup()` on CoLA B=128 met its 48-column bucket (sequences of 33-37 tokens;
-    24 draws had reached 32) at batches 20, 29 and 32, ran two eager reads and a capture there, and took
-    1.4-1.6x its warm time; with the buckets above the draws warmed, HF bert-base on the same stream still
-    captured one at batch 29 (34-39 ms, 1.23-1.32x; H200, 2026-11-26, `benchmarks/stream_table.py
-    --fresh-process --warmup-call`): a gap, or a batch of shorter sequences than any drawn."""
-    if not runtime.graphs_enabled or runtime._param().device.type != "cuda":
+    """Batches for the graph widths (`mask_width`, 2 per octave) that no drawn batch of a batch size reached, from
+    one below the narrowest drawn to the one of `longest`: each a drawn batch (the one with the longest sequence
+    under the width, else the shortest) with its lengths cut to the width and its longest one set to it (at most
+    `longest`), `MIN_SAMPLES` times each, so the graph is captured and its arm timed. Only where graphs run (a
+    GPU): traffic after a warm-up on 24 draws of CoLA B=128 met a width no draw had reached (33-37 tokens against
+    at most 32) within 20 batches."""
+    if not runtime.options.graphs or runtime._param().device.type != "cuda":
         return []
     out = []
     top = mask_width(longest)
@@ -369,7 +300,7 @@ def _tail(groups: list[list[int]], longest: int, runtime) -> list[list[int]]:
             base = max(under, key=max) if under else min(drawn, key=max)
             batch = sorted(min(n, w) for n in base)
             batch[-1] = min(w, longest)
-            out += [batch] * _TAIL_SIGHTS
+            out += [batch] * MIN_SAMPLES
     return out
 
 
@@ -396,6 +327,8 @@ def _calibrated(runtime) -> list[list[int]]:
     key = device_key(runtime._param().device).key
     try:
         db = RECORDER.open_db(path)
+        if db is None:
+            raise ValueError(f"warmup('calibration') cannot use {path}: see the WARNING above")
         found = db.measurements(device=key, signature=runtime.sig_key, source="tune")
         found = found or db.measurements(device=key, source="tune")
     except DatabaseError as e:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ._costmodel import FEATURE_VERSION, KINDS
-from ._report_render import _metric, render_html, render_text
+from ._report_render import _metric, _on_cpu, render_html, render_text
 from ._report_results import (
     Calibration,
     DeviceSummary,
@@ -53,7 +53,7 @@ from ._report_results import (
     TimeSaved,
 )  # fmt: skip
 from ._rollup import arm_label, rollup
-from .runtime.graphs import CAPTURE_NEXT, NOT_WORTH
+from .runtime.core import CAPTURING, NO_GRAPH
 from .tuning_db import (
     BucketTotals,
     DatabaseError,
@@ -98,6 +98,7 @@ SINCE_FORMS = (
 _AGE = re.compile(r"(\d+(?:\.\d*)?)\s*([smhdw])", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG down
+_PRIOR = "cost model (prior)"  # the reason of a decision the analytic prior predicted (`Planner.plan`)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -296,21 +297,14 @@ def _regret(buckets: Iterable[BucketTotals]) -> Regret:
     )
 
 
-_EVICTED = re.compile(r"; (\d+|#) graphs? evicted")
-
-
 def _graph_events(totals: Iterable[DecisionTotals]) -> GraphEvents:
     g = GraphEvents()
     for t in totals:
         reason = t.reason
         if "graph" not in reason:
             continue
-        g.captures += t.batches if CAPTURE_NEXT in reason and "graph capture failed" not in reason else 0
-        g.declined += t.batches if NOT_WORTH in reason else 0
-        g.failed += t.batches if "graph capture failed:" in reason else 0
-        evicted = _EVICTED.search(reason)
-        if evicted:
-            g.evictions += t.batches * (int(evicted.group(1)) if evicted.group(1).isdigit() else 1)
+        g.captures += t.batches if CAPTURING in reason else 0
+        g.failed += t.batches if NO_GRAPH in reason else 0
     return g
 
 
@@ -323,6 +317,8 @@ def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: 
         configs[t.label] += t.batches
         (fallbacks if t.forced and _is_padded(t.arm) else decided)[t.reason] += t.batches
     ape_batches = sum(t.ape_batches for t in totals)
+    saved = _time_saved(totals)
+    saved.relative_only = _on_cpu(device) and any(_PRIOR in reason for reason in decided)
     return ModuleSummary(
         device=device,
         signature=signature,
@@ -336,7 +332,7 @@ def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: 
         sampled=sum(t.sampled for t in totals),
         mape=sum(t.ape_sum for t in totals) / ape_batches if ape_batches else None,
         mape_batches=ape_batches,
-        saved=_time_saved(totals),
+        saved=saved,
         regret=_regret(buckets),
         rolled_up=rolled_up,
         graphs=_graph_events(totals),
@@ -359,6 +355,7 @@ def _calibration(model: ModelRecord) -> Calibration:
         holdout=_metric(m, "holdout", str),
         rows=_metric(m, "rows", int),
         metrics=m,
+        adopted=m.get("adopted") is not False,  # models stored before the tuner judged them were used
     )
 
 

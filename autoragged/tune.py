@@ -8,7 +8,8 @@ linears), exactly as the runtime runs them, and records
 everything in the tuning database. Then it fits
 the cost model on every measurement of this device (traffic samples included), evaluates it on
 length families held out of the fit, stores it, and prints the metrics. The wrapped models of later
-processes load it on their first batch.
+processes load it on their first batch, unless it picked worse than the analytic prior on those held-out
+batches: then it is stored marked as not adopted, the printout says so, and they keep the prior.
 
 A machine too slow or busy to measure what a fit needs (`_model.MIN_ROWS` measurements) within the budget
 measures on, for up to twice the budget; if it still has too few, wrapped models keep the analytic prior, the
@@ -67,13 +68,21 @@ SPACE = {
 }
 
 
+def _default_signatures(quick: bool, on_gpu: bool) -> list[str]:
+    """The built-in models calibrated when neither --signatures nor --model is given."""
+    if not on_gpu:
+        return ["cpu-small"]
+    return ["cora"] if quick else ["cora", "bert-base", "hf-bert-base"]
+
+
 def _parser() -> argparse.ArgumentParser:
+    gpu, quick, cpu = (" ".join(_default_signatures(q, g)) for q, g in ((False, True), (True, True), (False, False)))
     p = argparse.ArgumentParser(
         prog="python -m autoragged.tune",
         description="Calibrate this GPU (or CPU) for autoragged: measure both arms over many length "
         "distributions, search kernel configs with optuna, fit the cost model, store it in the tuning database.",
         epilog="examples:\n  python -m autoragged.tune --quick            # about a minute (two at most when busy)\n"
-        "  python -m autoragged.tune --budget 10        # ten minutes (on a GPU: CoRa, BERT-base, BERT-large)\n"
+        f"  python -m autoragged.tune --budget 10        # ten minutes (on a GPU: {gpu}; on a CPU: {cpu})\n"
         "  python -m autoragged.tune --refit            # refit from what is recorded (incl. traffic)\n"
         "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -83,14 +92,14 @@ def _parser() -> argparse.ArgumentParser:
                    "slow or busy to measure the 20 measurements a fit needs in it measures on for up to twice "
                    "the budget, then keeps the analytic prior and says so")  # fmt: skip
     p.add_argument("--quick", action="store_true",
-                   help="a budget of one minute: one signature, fewer configs")  # fmt: skip
+                   help=f"a budget of one minute: one signature ({quick} on a GPU), fewer configs")  # fmt: skip
     p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
     p.add_argument("--model", metavar="SPEC", help="calibrate for your own model: MODULE:FACTORY (FACTORY() returns "
                    "an nn.Module holding nn.TransformerEncoder(s), an HF encoder or decoder; its device and dtype are "
                    "used as they are), or an HF config: a config.json path or one of the built-in shapes "
                    f"({', '.join(_hf_shapes())}), built with random weights (nothing is downloaded)")  # fmt: skip
     p.add_argument("--signatures", nargs="+", choices=_signature_names(), help="built-in models to calibrate "
-                   "(default: cora bert-base hf-bert-base on GPU, cpu-small on CPU)")  # fmt: skip
+                   f"(default: {gpu} on a GPU, {quick} with --quick; {cpu} on a CPU)")  # fmt: skip
     p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch plan (a rerun with it resumes)")
@@ -192,10 +201,10 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
     import torch
 
-    from ._buckets import LADDER_VERSION
-    from ._costmodel import PADDED, PADDED_GRAPH, Arm
+    from ._buckets import LADDER_VERSION, mask_width
+    from ._costmodel import PADDED, Arm
     from ._measure import time_close_calls
-    from ._planner import GRAPH_BACKENDS, default_ragged_config, graph_config
+    from ._planner import default_ragged_config, graph_config
     from .kernels import ragged_attention as k_attn
     from .tuning_db import BatchStats, Measurement
     from .workloads import sample
@@ -207,10 +216,8 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     head_dim = sig.d_model // sig.heads
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
-    if ctx.device.type == "cuda":  # the graph-replayed arms (a capture per bucket, outside the timing)
-        arms += [Arm("ragged_graph", graph_config(head_dim, stats.max_len, b)) for b in GRAPH_BACKENDS]
-        arms.append(PADDED_GRAPH)
-        arms = runner.arms(arms)  # what this model's body can run (no padded graph for HF models)
+    if ctx.device.type == "cuda":  # the ragged graph (captured at its first run, outside the timing)
+        arms = runner.arms([*arms, Arm("ragged_graph", graph_config(head_dim, mask_width(stats.max_len)))])
     told = []
     if trials:
         study = ctx.study(sig, stats.max_len)
@@ -322,8 +329,8 @@ def _time_to_overrun(total_s: float, setup_s: float, elapsed_s: float, rows: int
     return rows < MIN_ROWS and used_s <= _HARD_CAP * total_s
 
 
-def _measure(args, db, device, key) -> tuple[int, bool]:
-    """Measure until the budget is spent; returns (batches measured now, interrupted)."""
+def _measure(args, db, device, key) -> tuple[int, bool, bool]:
+    """Measure until the budget is spent; returns (batches measured now, interrupted, stopped by --max-batches)."""
     import torch
     from tqdm import tqdm
 
@@ -334,9 +341,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
         encoders = _user_encoders(args.model, device)
         names = [f"user{i}" for i in range(len(encoders))]
     else:
-        names = args.signatures or (["cora"] if args.quick else ["cora", "bert-base", "hf-bert-base"])
-        if not on_gpu:
-            names = args.signatures or ["cpu-small"]
+        names = args.signatures or _default_signatures(args.quick, on_gpu)
         encoders = []
         for name in names:
             if name.startswith(HF_PREFIX):
@@ -360,7 +365,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     setup_s = time.monotonic() - args.started  # setting up (imports, model builds) counts too
     budget_s = total_s - setup_s - min(45.0, 0.08 * total_s)  # the bar's length: the fit's reserve grows
     start = time.monotonic()
-    measured, skipped, slowest, overrun = 0, 0, 0.0, False
+    measured, skipped, slowest, overrun, capped = 0, 0, 0.0, False, False
     # a bar on terminals only (disable=None): logs of non-interactive runs get the summary lines instead
     bar = tqdm(
         total=round(budget_s), unit="s", desc="calibrating", file=sys.stderr, dynamic_ncols=True, disable=None,
@@ -370,6 +375,7 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
         for i, slot, family, batch, max_len, item_seed in _plan(names, args.quick, on_gpu, args.seed):
             elapsed = time.monotonic() - start
             if args.max_batches is not None and measured >= args.max_batches:
+                capped = True
                 break
             if not _time_to_measure(total_s, setup_s, elapsed, rows, slowest):
                 if not _time_to_overrun(total_s, setup_s, elapsed, rows, slowest):
@@ -406,19 +412,21 @@ def _measure(args, db, device, key) -> tuple[int, bool]:
     except KeyboardInterrupt:
         bar.close()
         log.info("interrupted after %d batches; what was measured is recorded and a rerun resumes", measured)
-        return measured, True
+        return measured, True, False
     bar.update(bar.total - bar.n)
     bar.close()
     if skipped:
         log.info("resumed: %d batches of this plan were measured by an earlier run", skipped)
-    return measured, False
+    return measured, False, capped
 
 
-def _fit_and_store(db, key, refit: bool) -> int:
+def _fit_and_store(db, key, refit: bool, max_batches: int | None = None) -> int:
     """Fit, store and print the cost model. Too few measurements: an error for a refit (1); after measuring
-    (a slow or busy machine), one line saying the runtime keeps the analytic prior, and success (0)."""
+    (a slow or busy machine, or `max_batches`, the --max-batches that stopped the measuring), one line saying the
+    runtime keeps the analytic prior, and success (0). A fit that loses to the prior held out is stored, marked as
+    not adopted (the runtime then keeps the prior), and the printout says so in one line."""
     from ._costmodel import FEATURE_VERSION
-    from ._model import KIND, MIN_ROWS, TooFewMeasurements, fit_cost_model
+    from ._model import KIND, MIN_ROWS, TooFewMeasurements, beats_prior, fit_cost_model
 
     rows = db.measurements(device=key.key)
     if not rows and refit:
@@ -431,36 +439,57 @@ def _fit_and_store(db, key, refit: bool) -> int:
         if refit:
             log.error("%s", e)
             return 1
-        log.warning("kept the analytic prior: %d usable measurements, fewer than the %d a fit needs (this "
-                    "machine measured slowly); rerun `python -m autoragged.tune` when it is less busy",
-                    e.rows, MIN_ROWS)  # fmt: skip
+        why = "this machine measured slowly; rerun `python -m autoragged.tune` when it is less busy"
+        if max_batches is not None:
+            why = f"--max-batches {max_batches} stopped the measuring; rerun with more batches"
+        log.warning("kept the analytic prior: %d usable measurements, fewer than the %d a fit needs (%s)",
+                    e.rows, MIN_ROWS, why)  # fmt: skip
         return 0
     except ValueError as e:
         log.error("%s", e)
         return 1
     metrics = dict(model.metrics, fit_seconds=round(time.perf_counter() - t0, 2))
+    metrics["adopted"] = beats_prior(metrics)
     model_id = db.save_model(device=key.key, feature_version=FEATURE_VERSION, kind=KIND, payload=model.to_payload(),
                              metrics=metrics, signature="*")  # fmt: skip
-    print(f"\ncost model #{model_id} for {key.key}")
-    print(f"  fit on {metrics['rows']} measurements; evaluated with {metrics['holdout']} "
-          f"({metrics['batches']} held-out batches; families {', '.join(metrics['families'])})")  # fmt: skip
+    _print_fit(model_id, key, metrics)
+    return 0
+
+
+def _print_fit(model_id: int, key, metrics: dict) -> None:
+    """The stored fit's held-out numbers, each row saying in words what it counts, and whether it is adopted."""
     pct = lambda v, digits=1: "n/a" if v is None else f"{v:.{digits}%}"  # noqa: E731
-    print("  (the choice among the arms the planner runs with the lengths known; the mask-only arm is predicted for")
-    print("  mask-only batches, not chosen: see Arm.mask_only)")
+    print(f"\ncost model #{model_id} for {key.key}")
+    print(f"  fit on {metrics['rows']} measurements; tested on {metrics['batches']} batches left out of the fit "
+          f"({metrics['holdout']}: {', '.join(metrics['families'])}),")  # fmt: skip
+    print("  picking among the arms a wrapped model chooses from when it knows the batch's lengths:")
     ref = metrics.get("reference", "")
-    print(f"  | metric | learned model | analytic prior | always {ref} |")
+    rows = [
+        ("picked the fastest arm (or one within 1% of it)", pct(metrics["accuracy"]),
+         pct(metrics["prior_accuracy"]), pct(metrics.get("reference_accuracy"))),
+        ("... or one whose timings overlap the fastest's (p10 below its p90)",
+         pct(metrics.get("accuracy_within_noise")), "-", "-"),
+        ("mean regret: how much slower than the fastest arm its pick ran", pct(metrics["mean_regret"], 2),
+         pct(metrics["prior_mean_regret"], 2), pct(metrics.get("reference_mean_regret"), 2)),
+        ("p95 regret: 95% of its picks ran at most this much slower", pct(metrics["p95_regret"], 2), "-",
+         pct(metrics.get("reference_p95_regret"), 2)),
+    ]  # fmt: skip
+    if metrics.get("mean_regret_all_arms") != metrics["mean_regret"]:  # only where a mask-only arm was timed
+        rows.append(("mean regret against every arm, the one run only for batches without lengths too",
+                     pct(metrics.get("mean_regret_all_arms"), 2), "-", "-"))  # fmt: skip
+    rows.append(("latency error (MAPE): mean of |predicted - measured| / measured", pct(metrics["mape"]), "-", "-"))
+    print(f"  | held out | learned model | analytic prior | always {ref} |")
     print("  |---|---|---|---|")
-    print(f"  | decision accuracy | {pct(metrics['accuracy'])} | {pct(metrics['prior_accuracy'])} | "
-          f"{pct(metrics.get('reference_accuracy'))} |")  # fmt: skip
-    print(f"  | accuracy, ties within measurement noise | {pct(metrics.get('accuracy_within_noise'))} | - | - |")
-    print(f"  | mean regret | {pct(metrics['mean_regret'], 2)} | {pct(metrics['prior_mean_regret'], 2)} | "
-          f"{pct(metrics.get('reference_mean_regret'), 2)} |")  # fmt: skip
-    print(f"  | p95 regret | {pct(metrics['p95_regret'], 2)} | - | {pct(metrics.get('reference_p95_regret'), 2)} |")
-    print(f"  | mean regret against every arm, mask-only too | {pct(metrics.get('mean_regret_all_arms'), 2)} | - | - |")
-    print(f"  | latency MAPE | {pct(metrics['mape'])} | - | - |")
+    for row in rows:
+        print(f"  | {' | '.join(row)} |")
     if metrics["batches"] == 0:
         print("  (no batch was measured on several arms: decision metrics need the tuner's own batches)")
-    return 0
+    regrets = f"mean regret {pct(metrics['mean_regret'], 2)} against the prior's {pct(metrics['prior_mean_regret'], 2)}"
+    if metrics["adopted"]:
+        print(f"  adopted: wrapped models decide with it ({regrets})")
+    else:
+        print(f"  not adopted: it picked worse than the analytic prior held out ({regrets}); stored as #{model_id} "
+              "for the record, wrapped models keep deciding with the analytic prior")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,7 +501,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from ._device import device_key
     from .tuning_db import DatabaseError, TuningDB
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -480,22 +508,28 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--device cuda but no CUDA GPU is available")
         return 2
     try:
-        db = TuningDB.open(args.db)
-    except DatabaseError as e:
+        with TuningDB.open(args.db) as db:
+            return _run(args, db, device, started)
+    except DatabaseError as e:  # damaged, read-only, locked past the timeout, ...: one line, like every usage error
         log.error("%s", e)
         return 2
-    with db:
-        key = device_key(device)
-        db.register_device(key)
-        log.info("device: %s\ndatabase: %s", key.key, db.path)
-        if not args.refit:
-            t0 = time.monotonic()
-            args.started = started
-            measured, interrupted = _measure(args, db, device, key)
-            log.info("measured %d batches in %.0f s", measured, time.monotonic() - t0)
-            if interrupted:
-                return 130
-        return _fit_and_store(db, key, args.refit)
+
+
+def _run(args, db, device, started: float) -> int:
+    from ._device import device_key
+
+    key = device_key(device)
+    db.register_device(key)
+    log.info("device: %s\ndatabase: %s", key.key, db.path)
+    capped = False
+    if not args.refit:
+        t0 = time.monotonic()
+        args.started = started
+        measured, interrupted, capped = _measure(args, db, device, key)
+        log.info("measured %d batches in %.0f s", measured, time.monotonic() - t0)
+        if interrupted:
+            return 130
+    return _fit_and_store(db, key, args.refit, args.max_batches if capped else None)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ class KernelConfig:
     num_stages: software-pipelining depth of the inner loop
     align:      the RaggedTensor layout's alignment in rows (every component starts at a multiple)
     backend:    "triton" or "cublas" (only `ragged_linear` honours "cublas"; a shared weight makes
-                the ragged product a dense one, so cuBLAS is a legitimate arm)
+                the ragged product a dense one, so cuBLAS is a legitimate arm): "cublas" is
+                torch.nn.functional.linear, cuBLAS on a GPU and PyTorch's own matmul on a CPU
     group_m:    matmul tile swizzle (programs sharing a weight tile run together for L2 reuse)
     """
 

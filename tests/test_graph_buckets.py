@@ -12,7 +12,7 @@ from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoragged._buckets import ladder, mask_rungs, mask_tokens, mask_width, padded_bucket, ragged_bucket
+from autoragged._buckets import ladder, mask_width, padded_bucket, ragged_bucket
 from autoragged._layout import Layout
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
@@ -64,51 +64,6 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
 def test_ragged_graph_rows_waste_at_most_a_ninth(n):
     rows = ragged_bucket(n, 8, 64)[0]
     assert rows >= n and rows % 128 == 0 and rows <= n * 1.095 + 128
-
-
-@given(st.integers(1, 40_000), st.integers(1, 70_000))
-def test_mask_rungs_rise_within_the_capacity_and_hold_the_tokens(tokens, capacity):
-    """The cuBLAS branches of a mask graph (runtime/capture.py, `_Rungs`): rising rows, none past the capacity,
-    at most 7, each branch taking the rows above the previous one's, whole multiples of 128 rows or the capacity;
-    a batch of the expected tokens fits one where the capacity holds it."""
-    rungs = mask_rungs(tokens, capacity)
-    assert len(rungs) <= 7
-    rows = [r for _, r in rungs]
-    assert rows == sorted(set(rows)) and all(r <= capacity for r in rows)
-    assert all(r % 128 == 0 or r == capacity for r in rows)
-    assert all(low == prev for (low, _), prev in zip(rungs[1:], rows))
-    if tokens <= capacity <= 16384:
-        assert rungs and rungs[0][0] < rows[0] and any(low < tokens <= r for low, r in rungs)
-    else:
-        assert rungs == ()  # (past 16,384 rows the branches' memory outweighs what they save)
-
-
-def test_mask_rungs_are_fine_around_the_tokens_and_coarse_beyond():
-    # fine (8 per octave) from 0.85x to 1.2x of 7405, then 4 per octave above, one below
-    assert mask_rungs(7405, 128 * 128) == (
-        (3494, 4992), (4992, 6400), (6400, 6912), (6912, 7552), (7552, 8192), (8192, 9856), (9856, 11648)
-    )  # fmt: skip
-    assert mask_rungs(4096, 4096) == ((2060, 2944), (2944, 3840), (3840, 4096))  # the capacity: every column real
-    assert mask_rungs(100, 512) == ((0, 256), (256, 384), (384, 512))  # the ladder's floor takes any fewer rows
-    assert mask_rungs(0, 512) == () and mask_rungs(5000, 4096) == ()
-    assert mask_rungs(20_000, 128 * 256) == ()  # past 16,384 rows: the Triton branch alone
-    assert [mask_tokens(n) for n in (1, 256, 257, 329, 384, 385)] == [256, 256, 384, 384, 512, 512]  # 2 an octave
-
-
-def test_the_switch_node_picks_the_first_bound_holding_the_count_else_the_last_branch():
-    """runtime/_cuda_if.py: the device kernel's reference, and the driver's node-parameter layout (CUDA's
-    CUgraphNodeParams: 256 bytes, the conditional parameters at byte 16)."""
-    import ctypes
-
-    from autoragged.runtime import _cuda_if
-
-    bounds = ((0, 256), (256, 384), (384, 512))
-    assert [_cuda_if.pick_branch_ref(n, bounds) for n in (0, 1, 256, 257, 384, 512, 513)] == [3, 0, 0, 1, 1, 2, 3]
-    assert _cuda_if.pick_branch_ref(5, ()) == 0
-    assert ctypes.sizeof(_cuda_if._NodeParams) == 256 and _cuda_if._NodeParams.conditional.offset == 16
-    assert ctypes.sizeof(_cuda_if._ConditionalParams) == 32
-    if not torch.cuda.is_available():
-        assert _cuda_if.why_not(0) is not None  # says why, raises nothing
 
 
 def test_layout_reference_refuses_a_grid_too_small():
@@ -304,60 +259,96 @@ def test_a_layout_from_a_mask_is_packed():
         graph_layout.layout(args, meta, 2, 4, 16, 1, from_mask=True, first_column=True)
 
 
-class _FakeGraph:
-    def __init__(self, runtime, module, config, causal, key, dtype, device, pool):
-        self.rows, self.config = key[0], config
+class _Graph:
+    def __init__(self, key):
+        self.key, self.recorded_on = key, None
+
+    def record(self, pool, stream):
+        import threading
+
+        self.recorded_on = threading.current_thread()
 
 
-@pytest.mark.parametrize(
-    ("backend", "times", "rows", "made"),
-    [
-        ("triton", None, 1024, 1),  # Triton linears stop at the batch's rows: nothing to choose
-        ("cublas", [2.0, 1.8], 1025, 2),  # one row more replays faster: kept
-        ("cublas", [2.0, 1.99], 1024, 2),  # within _ROW_MARGIN: the rung
-        ("cublas", [1.8, 2.0], 1024, 2),
-    ],
-)
-def test_a_cublas_ragged_graph_keeps_the_faster_of_its_rung_and_one_row_more(monkeypatch, backend, times, rows, made):
-    from torch import nn
+def _cache(monkeypatch, cap=None):
+    """A GraphCache whose pool and streams are stand-ins (no GPU here); the worker thread is the real one."""
+    from autoragged.graphs import cache as _cache_module
+    from autoragged.graphs.worker import worker
 
-    from autoragged._planner import graph_config
-    from autoragged.adapters.torch_encoder import TorchEncoderBody
-    from autoragged.runtime import graphs as _graphs
-
-    made_rows, timed = [], []
-    monkeypatch.setattr(_graphs, "_RaggedGraph", lambda *a: made_rows.append(a[4][0]) or _FakeGraph(*a))
-    monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: timed.append([g.rows for g in graphs]) or times)
-    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
-    runtime = type("R", (), {"body": TorchEncoderBody(nn.TransformerEncoderLayer(64, 4, 128))})()
-    cache = _graphs.GraphCache()
-    key = (1024, 8, 64, graph_config(16, 64, backend), False, "padded")
-    graph = cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda")
-    assert graph.rows == rows and len(made_rows) == made
-    assert timed == ([[1024, 1025]] if backend == "cublas" else [])
-    # the choice is remembered: the same bucket captured again (after an eviction, say) is not timed again
-    made_rows.clear()
-    assert cache._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == rows
-    assert made_rows == [rows] and len(timed) == (1 if backend == "cublas" else 0)
+    monkeypatch.setattr(_cache_module.torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(worker, "stream", lambda device: "stream")
+    cache = _cache_module.GraphCache(cap=cap)
+    cache.budget_bytes = 1 << 30
+    return cache, worker
 
 
-def test_a_failed_second_capture_keeps_the_rung_graph(monkeypatch):
-    from torch import nn
+def test_a_requested_graph_warms_up_on_the_worker_thread_and_is_recorded_on_the_callers(monkeypatch):
+    """The warm-up (compiles, handles) runs in the background; the capture, which forbids device-wide syncs in
+    every thread, is recorded on the caller's thread when the runtime says a batch is queued (`record_ready`)."""
+    import threading
 
-    from autoragged._planner import graph_config
-    from autoragged.adapters.torch_encoder import TorchEncoderBody
-    from autoragged.runtime import graphs as _graphs
+    from autoragged.graphs.capture import GraphKey
 
-    def make(*a):
-        if a[4][0] == 1025:
-            raise RuntimeError("CUDA out of memory")
-        return _FakeGraph(*a)
+    cache, worker = _cache(monkeypatch)
+    key = GraphKey(8, 64, "mask", "x", False)
+    threads = []
 
-    monkeypatch.setattr(_graphs, "_RaggedGraph", make)
-    monkeypatch.setattr(_graphs, "replay_ms", lambda graphs: pytest.fail("nothing to compare"))
-    monkeypatch.setattr(_graphs, "_ROW_CHOICE", {})
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    runtime = type("R", (), {"body": TorchEncoderBody(nn.TransformerEncoderLayer(64, 4, 128))})()
-    key = (1024, 8, 64, graph_config(16, 64, "cublas"), False, "padded")
-    assert _graphs.GraphCache()._ragged_rows(runtime, None, key[3], False, key, torch.float16, "cuda").rows == 1024
-    assert list(_graphs._ROW_CHOICE.values()) == [1024]
+    def make(pool, stream):
+        threads.append(threading.current_thread())
+        return _Graph(key)
+
+    assert cache.request(key, make, "cuda", 1 << 20)
+    assert not cache.request(key, make, "cuda", 1 << 20)  # pending: asked once
+    worker.drain()
+    assert threads and threads[0] is not threading.current_thread()
+    assert key in cache.pending and cache.lookup(key) is None  # warmed, not recorded yet
+    cache.record_ready()
+    graph = cache.lookup(key)
+    assert graph.key == key and graph.recorded_on is threading.current_thread()
+    assert not cache.pending and cache.stats().captures == 1
+
+
+def test_a_batch_replays_a_kept_graph_up_to_four_times_as_wide_the_narrowest_first(monkeypatch):
+    from autoragged.graphs.capture import GraphKey
+
+    cache, _ = _cache(monkeypatch)
+    for width in (128, 96, 256):
+        key = GraphKey(8, width, "mask", "ids", False)
+        cache.capture_now(key, lambda pool, stream, key=key: _Graph(key), "cuda", 1)
+    assert cache.lookup(GraphKey(8, 64, "mask", "ids", False)).key.width == 96
+    assert cache.lookup(GraphKey(8, 128, "mask", "ids", False)).key.width == 128
+    assert cache.lookup(GraphKey(8, 32, "mask", "ids", False)).key.width == 96
+    assert cache.lookup(GraphKey(8, 24, "mask", "ids", False)).key.width == 96  # four times as wide at most
+    assert cache.lookup(GraphKey(8, 16, "mask", "ids", False)) is None
+    assert cache.lookup(GraphKey(8, 64, "mask", "x", False)) is None  # other inputs
+    assert cache.lookup(GraphKey(16, 64, "mask", "ids", False)) is None  # another batch size
+
+
+def test_a_failed_capture_is_remembered_and_the_cap_evicts_the_least_recently_used(monkeypatch, caplog):
+    from autoragged.graphs.capture import GraphKey
+
+    cache, worker = _cache(monkeypatch, cap=2)
+    bad = GraphKey(4, 32, "lengths", "x", False)
+
+    def fail(pool, stream):
+        raise RuntimeError("out of memory")
+
+    cache.request(bad, fail, "cuda", 1)
+    worker.drain()
+    with caplog.at_level("WARNING", logger="autoragged"):
+        cache.record_ready()
+        assert cache.lookup(bad) is None
+    assert "out of memory" in cache.unavailable(bad) and "capture failed" in caplog.text
+    assert not cache.request(bad, fail, "cuda", 1)  # not asked again
+    keys = [GraphKey(4, w, "lengths", "x", False) for w in (16, 64, 256)]
+    for key in keys:
+        cache.capture_now(key, lambda pool, stream, key=key: _Graph(key), "cuda", 1)
+    assert list(cache.graphs) == keys[1:] and cache.stats().evictions == 1
+
+
+def test_a_graph_too_big_for_the_budget_is_not_asked_for(monkeypatch):
+    from autoragged.graphs.capture import GraphKey
+
+    cache, _ = _cache(monkeypatch)
+    key = GraphKey(128, 512, "mask", "x", False)
+    assert not cache.request(key, lambda pool, stream: _Graph(key), "cuda", 2 << 30)
+    assert "does not fit the graph memory budget" in cache.unavailable(key)

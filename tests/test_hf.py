@@ -458,34 +458,17 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
     assert "hf-bert:2x64/2h/ff128:gelu:post:float32" in text and "ragged" in text
 
 
-# the mask graph's branches (runtime/capture.py, `_Rungs`) for the batch below, which counts 20 rows (17 tokens and
-# the column 0 of its 3 left-padded rows): (rungs, the rows the branch that must run runs (None: the Triton one),
-# the rows each branch runs where not its rung's: graphs.py `branch_rows`)
-_RUNG_CASES = [
-    ("bert", None, None, None),
-    ("bert", ((0, 24), (24, 48)), 24, None),  # the first rung holds it
-    ("albert", ((0, 10), (10, 30)), 30, None),  # the second
-    ("roberta", ((0, 19),), None, None),  # one row too many for any rung: the Triton branch
-    ("roberta", ((19, 20),), 20, None),  # exactly the rung's rows
-    ("bert", ((19, 20),), 21, (21,)),  # the rung's branch on one row more (a faster cuBLAS kernel there)
-    ("bert", ((20, 40),), None, None),  # at the lowest bound: not the rung's (lowest < T <= rows)
-]
-
-
-@pytest.mark.parametrize("family, rungs, branch, run", _RUNG_CASES)
-def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family, rungs, branch, run):
-    """The ragged graph fed a mask (runtime/capture.py, io="mask") never reads lengths, so it cannot send a
-    left-padded batch of a first-token-pooler model to the padded arm as the eager arms do. It computes
-    column 0 of such a row (a pad, which the original computes and its pooler reads) as a query-only row:
-    here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed,
-    one-token and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the
-    original's, and the pads it reports the mask's. With cuBLAS branches on rungs of rows (`_Rungs`, run
-    eagerly as the predicate picks: a capture makes each one a conditional node) exactly the branch the
-    counted rows pick runs, on its rung's rows (or one more), and computes the same."""
+@pytest.mark.parametrize("family", ["bert", "albert", "roberta"])
+def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family):
+    """The ragged graph fed a mask (graphs/capture.py, "mask") never reads lengths. It computes column 0 of a
+    left-padded row (a pad, which the original computes and its pooler or a task head reads) as a query-only row:
+    here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed, one-token
+    and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the original's, the
+    pads it reports the mask's, and the all-pad row NaN (the original computes it; the graph cannot)."""
     from autoragged.kernels import graph_layout
 
     from autoragged._planner import graph_config
-    from autoragged.runtime.capture import _Rungs, _StaticLayout, mask_pass
+    from autoragged.graphs.capture import _StaticLayout, mask_pass
 
     model = autoragged.wrap(model_of(family), db=False, policy="ragged")
     body = model._autoragged.ready(model).body
@@ -506,7 +489,6 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
         programs = batch * width // config.block_m + batch
         meta = torch.zeros(graph_layout.meta_size(batch, programs, True), dtype=torch.int32)
         layout = _StaticLayout(meta, batch, programs, config.block_m, 1, width)
-        layout.live = layout.offsets[batch:]
         layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
         values = torch.zeros(batch * width, D, dtype=x.dtype)
         out = torch.full_like(x, float("nan"))
@@ -519,13 +501,12 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
             ran.append((v.shape[0], config.backend))
             return body.values(v, layout, config, causal)
 
-        switch = _Rungs(rungs, "cpu", eager="taken", run=run) if rungs else None
-        pads = mask_pass(values_fn, args, meta, values, layout, batch, programs, config, False, width, switch)
+        pads = mask_pass(values_fn, args, meta, values, layout, batch, programs, config, False, width)
         pooled = body.family.pool(model, out)
         plain = _unwrapped(model)
         want, want64 = plain(**kwargs), copy.deepcopy(plain).double()(**kwargs)
     assert layout.live[0] == 20
-    assert ran == ([(batch * width, "triton")] if branch is None else [(branch, "cublas")])
+    assert ran == [(batch * width, "triton")]
     assert pads[:B].tolist() == [width - n for n in keep.sum(1).tolist()]
     rows = torch.tensor([True, True, True, True, False])  # an all-pad row has no real token to pool
     field = "last_hidden_state"

@@ -1,7 +1,8 @@
 """HF encoders on the GPU: bert-base and MiniLM shapes in fp16 and bf16 through every ragged arm, against the
 original in the same dtype and in float64; no device sync with `lengths=`; one with a mask alone (the read)
-unless the mask-only graph serves the batch."""
+unless the graph fed the mask serves the batch."""
 
+import copy
 import warnings
 
 import pytest
@@ -58,7 +59,7 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
     head_dim = runner.runtime.body.head_dim
     stats = BatchStats.from_lengths(LENGTHS)
     arms = [Arm("ragged", default_ragged_config(head_dim, 128)), Arm("ragged", graph_config(head_dim, 128, "triton"))]
-    arms += [Arm("ragged_graph", graph_config(head_dim, 128, b)) for b in ("cublas", "triton")]
+    arms += [Arm("ragged_graph", graph_config(head_dim, 128))]
     for arm in arms:
         for _ in range(2):  # a graph arm captures, then replays
             out = runner.run_call(arm, runner.hf_call(kwargs), LENGTHS, stats)
@@ -71,23 +72,21 @@ def test_every_ragged_arm_computes_the_original(name, dtype):
 
 def test_the_graphs_see_updates_of_the_fused_q_k_v_parameters():
     """q/k/v laid out in one buffer (adapters/_qkv.py): a graph replays an in-place update of one of them, and a
-    parameter given new storage (`.data =`) is laid out again and the graphs recaptured."""
+    parameter given new storage (`.data =`) is laid out again and the graph recaptured."""
     runner = ArmRunner(model("bert-base", torch.float16, layers=2))
     kwargs, keep = batch()
     stats = BatchStats.from_lengths(LENGTHS)
-    arms = [Arm("ragged_graph", graph_config(runner.runtime.body.head_dim, 128, b)) for b in ("cublas", "triton")]
+    arm = Arm("ragged_graph", graph_config(runner.runtime.body.head_dim, 128))
     attention = runner.module.encoder.layer[1].attention.self
+    plain = model("bert-base", torch.float16, layers=2)
 
     def check(what):
-        plain = runner.module.__class__(runner.module.config).to("cuda", torch.float16).eval()
         plain.load_state_dict(runner.module.state_dict())
         with torch.inference_mode():
             want = plain(**kwargs).last_hidden_state[keep]
-            want64 = plain.double()(**kwargs).last_hidden_state[keep]
-            for arm in arms:
-                for _ in range(2):
-                    got = runner.run_call(arm, runner.hf_call(kwargs), LENGTHS, stats).last_hidden_state[keep]
-                assert_within_torch_error(got, want, want64, f"{what} {arm.label}")
+            want64 = copy.deepcopy(plain).double()(**kwargs).last_hidden_state[keep]
+            got = runner.run_call(arm, runner.hf_call(kwargs), LENGTHS, stats).last_hidden_state[keep]
+        assert_within_torch_error(got, want, want64, f"{what} {arm.label}")
         return got
 
     first = check("as wrapped")
@@ -105,34 +104,30 @@ def test_the_graphs_see_updates_of_the_fused_q_k_v_parameters():
 
 
 @pytest.mark.parametrize("given", ["input_ids", "inputs_embeds"])
-def test_the_lengths_graph_embeds_in_the_graph_and_zeros_columns_past_its_bucket(given):
-    """The ragged graph fed host lengths runs the embeddings itself from token ids (`run_padded_ids`), or
-    packs the caller's embeddings (`run_padded`). A batch padded far past its longest row (a tokenizer's
-    padding="max_length") replays a graph whose bucket is shorter than the batch: the columns its unpack
-    does not reach must still come out zero (memory filled with NaN first, which a fresh output could reuse)."""
+def test_the_lengths_graph_embeds_in_the_graph_or_packs_the_callers_embeddings(given):
+    """The ragged graph fed host lengths runs the embeddings itself from token ids, or packs the caller's
+    embeddings; pads come out zero (memory filled with NaN first, which a fresh output could reuse)."""
     plain = model("bert-base", torch.float16, layers=2)
-    runner = ArmRunner(model("bert-base", torch.float16, layers=2))
+    m = autoragged.wrap(model("bert-base", torch.float16, layers=2), db=False)
     lengths = (100, 7, 63, 1)
     kwargs, keep = batch(lengths)
-    L = 300  # the graph's bucket: next_pow2(100) = 128 columns
-    kwargs = {k: torch.nn.functional.pad(v, (0, L - v.shape[1])) for k, v in kwargs.items()}
-    keep = torch.nn.functional.pad(keep, (0, L - keep.shape[1]))
-    stats = BatchStats.from_lengths(lengths, padded_len=L)
-    arm = Arm("ragged_graph", graph_config(64, 100, "cublas"))
     with torch.inference_mode():
         want = plain(**kwargs).last_hidden_state
-        call = dict(kwargs)
+        call = {"input_ids": kwargs["input_ids"]}
         if given == "inputs_embeds":
             call["inputs_embeds"] = plain.embeddings.word_embeddings(call.pop("input_ids"))
+        rt = m._autoragged
+        hf_call = m.forward.call_type(rt.body, m, dict(call), list(lengths))
+        arm = Arm("ragged_graph", graph_config(64, 128))
         for _ in range(3):  # captures, then replays
             torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float16)  # freed: NaN to reuse
-            out = runner.run_call(arm, runner.hf_call(call), lengths, stats).last_hidden_state
-            assert out.shape == want.shape
-            assert (out[~keep] == 0).all(), "pads must be zeros, past the graph's bucket too"
+            with hf_call.scope():
+                out = rt.execute(m, hf_call, arm, lengths, BatchStats.from_lengths(lengths)).last_hidden_state
+            assert (out[~keep] == 0).all()
             torch.testing.assert_close(out[keep].float(), want[keep].float(), rtol=2e-2, atol=2e-2)
-    graphs = [k for k in runner.runtime.graphs.graphs if k[0] == "ragged"]
-    assert len(graphs) == 1 and graphs[0][6] == "padded" and graphs[0][3] == 128
-    assert graphs[0][7] == ("ids_tt" if given == "input_ids" else None)
+    (key,) = rt.graphs.graphs
+    assert key.lengths_from == "lengths" and key.width == 128
+    assert key.inputs == ("ids_tt" if given == "input_ids" else "x")
 
 
 def _unsynced(fn):
@@ -147,80 +142,36 @@ def _unsynced(fn):
 
 @pytest.mark.parametrize(("pooler", "types"), [(False, False), (True, False), (True, True)])
 def test_the_mask_graph_runs_any_padding_and_never_syncs(pooler, types):
-    """A mask-only batch of a trusted shape replays the ragged graph fed the mask: no read, no sync, and the
-    same result as the original on real tokens, left padding included. A left-padded row's column 0 (a pad the
-    original computes, which a pooler or task head reads) is a query-only row in the graph
-    (kernels/masked_pack.py): that column, and BERT's pooler_output, must be the original's too. The graph runs the
-    embeddings itself, from the token ids (and token types) copied into static buffers."""
-    from autoragged.runtime import core
+    """Once its graph is captured, a mask alone replays it: no read, no sync, and the original's output on real
+    tokens, left padding included, and on column 0 of a left-padded row (a pad the original computes, which a
+    pooler or task head reads: a query-only row in the graph). The graph runs the embeddings itself, from the
+    token ids (and token types) copied into static buffers: one graph for calls with token types and without."""
+    from autoragged.graphs.worker import worker
 
     m = autoragged.wrap(model("bert-base", torch.float16, layers=4, pooler=pooler), db=False, sample_every=0)
-    base = m
-    rt = base._autoragged
-    assert rt.body.mask_graph and rt.body.first_column
-    rt.graph_min_seen = 1
-    arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
-    kwargs, keep = batch()
-    B, L = keep.shape
-    rt.mask_shapes[rt._shape_key(B, L)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, int(keep.sum()))
     plain = model("bert-base", torch.float16, layers=4, pooler=pooler)
+    kwargs, keep = batch()
+    L = keep.shape[1]
     left = {k: v.flip(1) for k, v in kwargs.items()}
     if types:  # the graph captured on a call without token types replays a call with them
         left["token_type_ids"] = (torch.arange(L, device="cuda")[None] % 3 == 0).long() * keep.flip(1)
     with torch.inference_mode():
         for call, k in ((kwargs, keep), (left, keep.flip(1))):
-            m(**call)  # captures (or replays) the mask graph
+            for _ in range(3):
+                m(**call)
+            worker.drain()
+            m(**call)  # (records the graph once its batch is queued)
             out = _unsynced(lambda call=call: m(**call))
             want = plain(**call)
+            assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
             torch.testing.assert_close(out.last_hidden_state[k].float(), want.last_hidden_state[k].float(),
                                        rtol=2e-2, atol=2e-2)  # fmt: skip
             if pooler:
                 torch.testing.assert_close(out.pooler_output.float(), want.pooler_output.float(), rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(out.last_hidden_state[:, 0].float(), want.last_hidden_state[:, 0].float(),
                                        rtol=2e-2, atol=2e-2)  # fmt: skip
-    assert autoragged.recent_decisions(m, 1)[0].arm == "ragged_graph"
-    kept = [k for k in rt.graphs.graphs if k[0] == "ragged" and k[6] == "mask"]
-    assert len(kept) == 1 and kept[0][7] == "ids_tt"  # the embeddings ran in the graph, one for both calls
-
-
-def test_the_mask_graph_runs_the_branch_its_counted_rows_pick():
-    """The ragged graph fed the mask holds cuBLAS branches on rungs of rows around the judged batch's tokens
-    (runtime/capture.py, `_Rungs`: conditional nodes, runtime/_cuda_if.py), and the Triton branch for a batch
-    that fits none.
-    Batches of one graph whose rows fall in each rung, below the lowest and past the highest run the branch
-    their counted rows pick, each the original's function, without a sync."""
-    from autoragged.runtime import core
-
-    m = autoragged.wrap(model("bert-base", torch.float16, layers=2), db=False, sample_every=0)
-    rt = m._autoragged
-    if not rt.mask_rungs:
-        pytest.skip("CUDA graphs here take no conditional nodes")
-    rt.graph_min_seen = 1
-    arm = Arm("ragged_graph", graph_config(64, 128, "triton"))
-    plain = model("bert-base", torch.float16, layers=2)
-    rt.mask_shapes[rt._shape_key(6, 128)] = core._shape_entry(core._TRUST, arm, {arm.label: 1.0}, sum(LENGTHS))
-    cases = {  # tokens 329: rungs (268, 384], (384, 512], (512, 640], (640, 768] of 768 rows; the Triton branch (4)
-        LENGTHS: 0,
-        (128, 100, 90, 60, 40, 32): 1,
-        (128, 20, 20, 12, 10, 10): 4,
-        (128, 128, 128, 128, 100, 88): 3,
-    }
-    with torch.inference_mode():
-        for lengths, branch in cases.items():
-            kwargs, keep = batch(lengths, seed=branch)
-            m(**kwargs)  # captures the mask graph at the first call, replays it after
-            out = _unsynced(lambda kwargs=kwargs: m(**kwargs))
-            graph = next(g for k, g in rt.graphs.graphs.items() if k[0] == "ragged" and k[6] == "mask")
-            assert tuple(high for _, high in graph.rungs.bounds_host) == (384, 512, 640, 768)
-            # each branch runs its rung's rows or one more, whichever its linears ran faster (graphs.branch_rows)
-            assert all(n - high in (0, 1) for (_, high), n in zip(graph.rungs.bounds_host, graph.rungs.rows))
-            assert graph.rungs.taken.item() == branch, lengths
-            want = plain(**kwargs)
-            torch.testing.assert_close(out.last_hidden_state[keep].float(), want.last_hidden_state[keep].float(),
-                                       rtol=2e-2, atol=2e-2)  # fmt: skip
-            torch.testing.assert_close(out.pooler_output.float(), want.pooler_output.float(), rtol=2e-2, atol=2e-2)
-            assert (out.last_hidden_state[~keep] == 0).all()
-    assert sum(k[0] == "ragged" and k[6] == "mask" for k in rt.graphs.graphs) == 1
+    (key,) = m._autoragged.graphs.graphs
+    assert key.lengths_from == "mask" and key.inputs == "ids_tt"
 
 
 def _syncs(fn) -> int:
@@ -251,7 +202,7 @@ def test_lengths_never_sync_and_a_mask_syncs_once(policy):
         with_mask = _syncs(lambda: m(**kwargs))
         ran = autoragged.recent_decisions(m, 1)[0]
     if ran.arm != "padded":
-        assert with_mask == (0 if "lengths not read" in ran.reason else 1), ran
+        assert with_mask == (0 if ran.arm == "ragged_graph" else 1), ran
     assert policy == "auto" or ran.arm == "ragged"
 
 

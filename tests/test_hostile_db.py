@@ -7,23 +7,28 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _broken_db import damage_pages, deny_writes, in_readonly_mount
 from autoragged.tuning_db import BatchStats, Decision, Measurement, TuningDB
 from torch import nn
 
 import autoragged
 from autoragged import _payload, _recorder
+from autoragged._buckets import mask_width
 from autoragged._costmodel import FEATURE_VERSION, PADDED, AnalyticPrior, Arm
 from autoragged._device import device_key
 from autoragged._learned import load_planner_inputs
 from autoragged._model import KIND, CompiledModel, Forest
-from autoragged._planner import Planner, default_ragged_config
+from autoragged._planner import Planner, default_ragged_config, graph_config
 from autoragged.adapters.torch_encoder import signature_of
+from autoragged.runtime.policy import MIN_SAMPLES
 
 CPU = device_key("cpu")
 CFG = default_ragged_config(32, 64).to_dict()
@@ -80,15 +85,16 @@ def encoder() -> nn.TransformerEncoder:
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
 
 
-def run_wrapped(path):
-    """(wrapped output, original output, the planner's model, the decision) for one batch with padding."""
+def run_wrapped(path, db="path"):
+    """(wrapped output, original output, the planner's model, the decision) for one batch with padding.
+    db="path": wrap(db=path); db="env": wrap's default ($AUTORAGGED_DB, which the caller sets to path)."""
     model = encoder()
     lengths = [40, 3, 17]
     x = torch.randn(3, 40, 64)
     mask = torch.arange(40)[None, :] >= torch.tensor(lengths)[:, None]
     with torch.no_grad():
         want = model(x, src_key_padding_mask=mask)
-        autoragged.wrap(model, db=path, sample_every=0)
+        autoragged.wrap(model, db=path if db == "path" else None, sample_every=0)
         got = model(x, src_key_padding_mask=mask)
     decision = autoragged.recent_decisions(model, 1)[0]
     planner_model = model._autoragged.planners[torch.device("cpu")].model
@@ -120,7 +126,7 @@ def test_a_good_payload_is_used(tmp_path, caplog):
     store(path, good_payload())
     got, want, model, decision = run_wrapped(path)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    assert isinstance(model, CompiledModel) and decision.reason.startswith("cost model (learned)")
+    assert isinstance(model, CompiledModel) and decision.reason.endswith("cost model (learned)")
     assert warnings_of(caplog) == []
 
 
@@ -198,7 +204,7 @@ def test_a_bad_payload_falls_back_to_the_prior_with_one_warning(tmp_path, caplog
     model_id = store(path, None, text=text)
     got, want, model, decision = _within(60, run_wrapped, path)  # a cycle used to hang here forever
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    assert isinstance(model, AnalyticPrior) and decision.reason == "cost model (prior)"
+    assert isinstance(model, AnalyticPrior) and decision.reason.endswith("cost model (prior)")
     (warning,) = warnings_of(caplog)
     assert f"models row {model_id} of {path}" in warning and "analytic prior" in warning
     assert BAD_PAYLOADS[name][2] in warning, warning
@@ -236,6 +242,8 @@ def test_the_evaluator_steps_at_most_the_validated_depth():
 
 
 class _Model:
+    """Predicts `values` for the planner's arms in order: padded, the eager ragged arm, the ragged graph."""
+
     name = "fake"
 
     def __init__(self, values, prior=None):
@@ -247,28 +255,48 @@ class _Model:
 
 SIG = signature_of(encoder())
 STATS = BatchStats.from_lengths((40, 3, 17))
+WIDTH = mask_width(STATS.max_len)
+
+
+def _decisions(values, batches: int = 1, sample_every: int = 0) -> list[Decision]:
+    """The decisions of a wrapped encoder, on `batches` batches of STATS, whose planner's model is _Model(values)."""
+    model = autoragged.wrap(encoder(), db=False, sample_every=sample_every)
+    rt = model._autoragged
+    rt.planners[torch.device("cpu")] = Planner(rt.sig, _Model(values))
+    x = torch.randn(3, 40, 64)
+    with torch.no_grad():
+        for _ in range(batches):
+            model(x, lengths=[40, 3, 17])
+    return autoragged.recent_decisions(model, batches)
 
 
 def test_a_nan_prediction_is_no_argmin():
     # np.argmin takes the NaN: padded before, although ragged was predicted 1 ms against no prediction
-    plan = Planner(SIG, _Model([np.nan, 1.0])).plan(STATS)
-    assert plan.arm.kind == "ragged" and "padded" not in plan.predicted_ms
-    assert "prediction for padded was not finite (none used)" in plan.reason
-    plan = Planner(SIG, _Model([2.0, np.inf])).plan(STATS)
-    assert plan.arm == PADDED and list(plan.predicted_ms) == ["padded"]
+    got = Planner(SIG, _Model([np.nan, 1.0, 1.0])).predict(STATS, WIDTH)
+    assert got.ms["padded"] == math.inf and got.ms["ragged"] == 1.0
+    assert "prediction for padded was not finite (none used)" in got.note
+    (d,) = _decisions([np.nan, 1.0, 1.0])
+    assert d.arm == "ragged" and "not finite (none used)" in d.reason
+    (d,) = _decisions([2.0, np.inf, np.nan])
+    assert d.arm == "padded" and d.predicted_ms["padded"] == 2.0
 
 
 def test_a_non_finite_prediction_takes_the_priors():
     prior = AnalyticPrior(CPU)
-    expected = prior.predict_ms(SIG, STATS, [PADDED, Arm("ragged", default_ragged_config(32, 40))])
-    plan = Planner(SIG, _Model([np.nan, -1.0], prior)).plan(STATS)
-    assert list(plan.predicted_ms.values()) == pytest.approx([round(v, 4) for v in expected])
-    assert "the prior's used" in plan.reason
+    arms = [PADDED, Arm("ragged", default_ragged_config(32, 40)), Arm("ragged_graph", graph_config(32, WIDTH))]
+    expected = prior.predict_ms(SIG, STATS, arms)
+    got = Planner(SIG, _Model([np.nan, 1.5, -1.0], prior)).predict(STATS, WIDTH)  # the eager arm's is kept
+    assert [got.ms[k] for k in ("padded", "ragged", "ragged_graph")] == pytest.approx([expected[0], 1.5, expected[2]])
+    assert f"prediction for padded, {arms[2].label} was not finite (the prior used)" in got.note
 
 
 def test_no_finite_prediction_runs_padded():
-    plan = Planner(SIG, _Model([np.nan, np.inf])).plan(STATS)
-    assert plan.arm == PADDED and plan.predicted_ms == {} and "no arm has a finite prediction" in plan.reason
+    """Nothing usable predicted, not even after the padded arm's timings: the module as written runs."""
+    got = Planner(SIG, _Model([np.nan, np.inf, 0.0])).predict(STATS, WIDTH)
+    assert got.ms == {"padded": math.inf, "ragged": math.inf, "ragged_graph": math.inf} and "(none used)" in got.note
+    decisions = _decisions([np.nan, np.inf, 0.0], batches=2 * MIN_SAMPLES, sample_every=1)
+    assert [d.arm for d in decisions] == ["padded"] * 2 * MIN_SAMPLES
+    assert any(d.measured_ms is not None for d in decisions)  # timed, and still no trial of the ragged arm
 
 
 def test_leaves_that_overflow_fall_back_per_arm_and_the_forward_is_right(tmp_path, caplog):
@@ -278,8 +306,9 @@ def test_leaves_that_overflow_fall_back_per_arm_and_the_forward_is_right(tmp_pat
     store(path, payload)
     got, want, model, decision = run_wrapped(path)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    assert isinstance(model, CompiledModel) and "was not finite (the prior's used)" in decision.reason
-    assert all(np.isfinite(v) for v in decision.predicted_ms.values()) and len(decision.predicted_ms) == 2
+    assert isinstance(model, CompiledModel) and "was not finite (the prior used)" in decision.reason
+    assert set(decision.predicted_ms) == {"padded", "ragged", "ragged_graph"}
+    assert all(np.isfinite(v) for v in decision.predicted_ms.values())
     autoragged.flush()
     with TuningDB.open(path) as db:
         (stored,) = db.decisions()
@@ -361,3 +390,82 @@ def test_a_prune_that_fails_warns_once_and_recording_goes_on(tmp_path, caplog):
     assert "could not prune old decisions" in warning and str(path) in warning
     with TuningDB.open(path) as db:
         assert len(db.decisions()) == 16  # every decision written, none pruned
+
+
+# ------------------------------------------------------------------------------ damaged or read-only files
+
+
+def _unwritten(path: Path, before: bytes) -> bool:
+    """Nothing was written to the database at `path` since it held `before` (its WAL included)."""
+    wal = Path(f"{path}-wal")
+    return path.read_bytes() == before and (not wal.exists() or wal.stat().st_size == 0)
+
+
+@pytest.mark.parametrize("db", ["path", "env"])
+def test_a_damaged_file_is_neither_read_nor_written(tmp_path, monkeypatch, caplog, db):
+    """A valid header, damaged pages: the runtime used to read its cost model and record into it. Now one warning,
+    the analytic prior, nothing written, and the forward stays right."""
+    path = tmp_path / "t.sqlite"
+    store(path, good_payload())  # a cost model the runtime would use, in a page left intact
+    with TuningDB.open(path) as tdb:
+        tdb.add_decisions([_decision(i) for i in range(300)])
+    damaged = damage_pages(path)
+    monkeypatch.setenv("AUTORAGGED_DB", str(path))
+    got, want, model, decision = run_wrapped(path, db)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert isinstance(model, AnalyticPrior) and "cost model (prior)" in decision.reason
+    assert autoragged.flush() == 0 and _unwritten(path, damaged)
+    (warning,) = warnings_of(caplog)
+    assert f"{path} is damaged" in warning and "analytic prior" in warning and "recording nothing" in warning
+
+
+@pytest.mark.parametrize("denied", ["file", "directory"])
+def test_a_read_only_calibration_is_used_and_nothing_is_recorded(tmp_path, caplog, denied):
+    """A deployment ships its calibration read-only: the runtime reads the cost model, records nothing, and says
+    so once (in a read-only directory it used to refuse the file at wrap, or warn and use the prior)."""
+    path = tmp_path / "t.sqlite"
+    store(path, good_payload())
+    before = path.read_bytes()
+    with pytest.MonkeyPatch.context() as mp:
+        deny_writes(mp, path if denied == "file" else tmp_path)
+        got, want, model, decision = run_wrapped(path)
+        assert autoragged.flush() == 0
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert isinstance(model, CompiledModel) and "cost model (learned)" in decision.reason
+    (warning,) = warnings_of(caplog)
+    assert f"{path} is read-only" in warning and "recording nothing" in warning
+    assert path.read_bytes() == before
+    with TuningDB.open(path) as tdb:
+        assert tdb.decisions() == []
+
+
+_IN_A_READ_ONLY_MOUNT = """
+import json, logging, sys
+import torch
+from torch import nn
+import autoragged
+
+warnings = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: warnings.append(record.getMessage())
+logging.getLogger("autoragged").addHandler(handler)
+torch.manual_seed(0)
+layer = nn.TransformerEncoderLayer(64, 2, 64, batch_first=True, dropout=0.0)
+model = autoragged.wrap(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval(), db=sys.argv[1])
+with torch.inference_mode():
+    model(torch.randn(3, 40, 64), lengths=[40, 3, 17])
+print(json.dumps([autoragged.recent_decisions(model, 1)[0].reason, autoragged.flush(), warnings]))
+"""
+
+
+def test_a_calibration_in_a_read_only_mount_is_used(tmp_path):
+    """For real: a read-only bind mount, where even root cannot write and SQLite cannot make the -shm file a WAL
+    reader needs; wrap used to refuse the path ("not writable")."""
+    path = tmp_path / "t.sqlite"
+    store(path, good_payload())
+    done = in_readonly_mount(tmp_path, ["-c", _IN_A_READ_ONLY_MOUNT, str(path)], env={"TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr
+    reason, written, warnings = json.loads(done.stdout.splitlines()[-1])
+    assert "cost model (learned)" in reason and written == 0
+    (warning,) = warnings
+    assert f"{path} is read-only" in warning and "recording nothing" in warning

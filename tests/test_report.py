@@ -11,9 +11,11 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from _broken_db import damaged_db, in_readonly_mount
 from autoragged.kernels._config import KernelConfig
 from autoragged.tuning_db import BatchStats, Decision, DeviceKey, Measurement, TuningDB
 from torch import nn
@@ -34,6 +36,8 @@ HOOKS = "forward hooks on submodules"
 ATTN = "attn_mask other than key padding (pass is_causal=True with a causal mask)"
 EXPLORING = f"exploring (the planner chose {LA})"
 REAL_FORWARDS = 23  # _real_run below: 14 with lengths=, 4 with a mask, 3 hooked, 2 with an attn mask
+# what the runtime's policy (runtime/policy.py) says of a batch it chose an arm for
+PREDICTED, TIMED, TRYING = "predicted: cost model (prior)", "timed on this device", "trying it (the running arm is "
 
 
 def _hand_made(now):
@@ -115,11 +119,21 @@ def _real_run(path):
 
 @pytest.fixture(scope="module")
 def filled(tmp_path_factory):
-    """One database with a real CPU run, hand-made H100 decisions, measurements and two cost models.
-    Returns (path, the CPU device key, the hand-made expectations). Tests copy it before writing."""
+    """One database with hand-made H100 measurements (rows 1-8), a real CPU run, hand-made H100 decisions and two
+    cost models. Returns (path, the CPU device key, the hand-made expectations and "cpu_timed": the CPU run's
+    timed batches, which the host clock decides). Tests copy it before writing."""
     from autoragged import _ragged, ops
 
     path = tmp_path_factory.mktemp("report") / "tuning.sqlite"
+    now = time.time()
+    with TuningDB.open(path) as db:
+        db.register_device(H100)
+        db.add_measurements(
+            [_measurement(now, "padded", None, b, 0.1 * b) for b in (8, 32, 128)]
+            + [_measurement(now, "ragged", CFG_A, b, 0.07 * b) for b in (8, 32, 128)]
+            + [_measurement(now, "ragged", CFG_A, 32, 6.6, source="runtime")]
+            + [_measurement(now, "padded", None, 16, 1.0, age_s=10 * 86400)]
+        )
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         mp.setattr(ops, "use_triton", lambda t: False)  # the CPU reference path: the interpreter is far too slow
@@ -131,25 +145,18 @@ def filled(tmp_path_factory):
             _real_run(path)
         finally:
             torch.set_num_threads(threads)
-    now = time.time()
     decisions, expected = _hand_made(now)
     old = Decision(
         now - 10 * 86400, H100.key, OLD_SIG, S1, "padded", None, {"padded": 1.0, LA: 2.0}, "cost model (prior)"
     )
     with TuningDB.open(path) as db:
-        db.register_device(H100)
         db.add_decisions([*decisions, old])
-        db.add_measurements(
-            [_measurement(now, "padded", None, b, 0.1 * b) for b in (8, 32, 128)]
-            + [_measurement(now, "ragged", CFG_A, b, 0.07 * b) for b in (8, 32, 128)]
-            + [_measurement(now, "ragged", CFG_A, 32, 6.6, source="runtime")]
-            + [_measurement(now, "padded", None, 16, 1.0, age_s=10 * 86400)]
-        )
         metrics = dict(accuracy=0.9, mean_regret=0.0123, p95_regret=0.05, mape=0.08, rows=480,
                        holdout="leave one length family out", batches=40, prior_accuracy=0.625)  # fmt: skip
         db.save_model(device=H100, feature_version=FEATURE_VERSION - 1, kind="gbt-arrays", payload={}, metrics={})
         db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={}, metrics=metrics)
         cpu = next(d.key for d in db.devices() if d.capability == "cpu")
+        expected["cpu_timed"] = len(db.measurements(device=cpu))
     return path, cpu, expected
 
 
@@ -162,7 +169,7 @@ def _module(summary, device, signature):
 
 
 def test_real_run_is_reported_as_it_happened(filled):
-    path, cpu, _ = filled
+    path, cpu, e = filled
     s = report.summary(path)
     dev = next(d for d in s.devices if d.key == cpu)
     assert dev.calibration is None and dev.decisions == REAL_FORWARDS
@@ -175,11 +182,22 @@ def test_real_run_is_reported_as_it_happened(filled):
     assert {sh.label.split(":")[0] for sh in m.configs} == {"padded", "ragged"}
     assert m.fallback_reasons == {HOOKS: 3, ATTN: 2}
     assert sum(m.decided_by.values()) == REAL_FORWARDS - 5
-    # (a mask-only shape the padded arm wins, counting the read, skips the read: its verdict is the cost model's too)
-    assert all(reason.startswith("cost model") or reason.endswith("lengths not read") for reason in m.decided_by)
-    # every planner decision predicted padded and a ragged config, so every one has a time-saved estimate
-    assert m.saved.batches == REAL_FORWARDS - 5 and m.saved.vs_padded_ms >= 0 and m.saved.vs_ragged_ms >= 0
-    assert m.sampled == 0 and m.mape is None and m.regret.batches == 0  # CPU batches are never timed
+    # predicted until a shape's arm is timed, then timed, or a trial of an arm predicted close to the running one
+    assert all(r.startswith((PREDICTED, TIMED, TRYING)) for r in m.decided_by), m.decided_by
+    assert any(r.startswith(PREDICTED) for r in m.decided_by) and any(r.startswith(TIMED) for r in m.decided_by)
+    # every planner decision predicted padded and the eager ragged arm, so every one has a time-saved estimate:
+    # the predictions of the arms that ran against those of always padded, always the eager ragged arm (timings,
+    # not predictions, chose some of these arms: the estimate may come out either way)
+    with TuningDB.open(path) as db:
+        planned = [d for d in db.decisions() if d.device == cpu and d.predicted_ms]
+    assert m.saved.batches == len(planned) == REAL_FORWARDS - 5
+    assert m.saved.chosen_ms == pytest.approx(sum(d.predicted_ms[d.arm] for d in planned))
+    assert m.saved.always_padded_ms == pytest.approx(sum(d.predicted_ms["padded"] for d in planned))
+    assert m.saved.always_ragged_ms == pytest.approx(sum(d.predicted_ms["ragged"] for d in planned))
+    # the host clock timed each shape's first batches (and the database holds each timing as a measurement)
+    timed = [d for d in planned if d.measured_ms is not None]
+    assert m.sampled == len(timed) == e["cpu_timed"] >= 2  # the long rows' shape and the short rows' at least
+    assert m.mape_batches == m.sampled and m.mape is not None  # every timed batch's arm was predicted
 
 
 def test_hand_made_numbers(filled):
@@ -200,6 +218,41 @@ def test_hand_made_numbers(filled):
     r = m.regret
     assert (r.buckets, r.evaluated_buckets, r.batches, r.exploring) == (2, 1, 3, 1)
     assert r.mean == pytest.approx(statistics.fmean(e["regret"])) and r.max == pytest.approx(0.4)
+
+
+def _as_the_runtime_records(tmp_path) -> Path:
+    """A database of three timed CORA batches in one bucket, recorded as this runtime records them: predictions per
+    arm kind, reasons from its policy (the third batch a trial of the padded arm)."""
+    p = {"padded": 10.0, "ragged": 6.0, "ragged_graph": 5.0}
+    now = time.time()
+    path = tmp_path / "t.sqlite"
+    with TuningDB.open(path) as db:
+        db.register_device(H100)
+        db.add_decisions([
+            Decision(now, H100.key, CORA, S1, "ragged", CFG_A, p, "predicted: cost model (learned)", 6.6),
+            Decision(now, H100.key, CORA, S1, "ragged", CFG_A, p, TIMED, 7.4),
+            Decision(now, H100.key, CORA, S1, "padded", None, p, f"{TRYING}ragged)", 12.0),
+        ])  # fmt: skip
+    return path
+
+
+def test_time_saved_and_mape_read_the_predictions_the_runtime_records(tmp_path):
+    """The runtime keys its predictions by arm kind ("ragged"); the report looked a ragged batch's prediction up by
+    its arm label ("ragged:m64n64k64w4s2a1-cublas", as older versions keyed them) and found none: no time saved
+    and no MAPE for any batch the runtime runs ragged."""
+    m = _module(report.summary(_as_the_runtime_records(tmp_path)), H100.key, CORA)
+    # chosen 6 + 6 + 10 = 22 ms; always padded 30, always the eager ragged arm 18 (a graph is no baseline)
+    assert m.saved.batches == 3
+    assert m.saved.vs_padded_ms == pytest.approx(30 - 22) and m.saved.vs_ragged_ms == pytest.approx(18 - 22)
+    assert m.mape_batches == 3 and m.mape == pytest.approx(statistics.fmean([0.6 / 6.6, 1.4 / 7.4, 2.0 / 12.0]))
+
+
+def test_trials_are_left_out_of_the_regret_as_exploration_was(tmp_path):
+    """A trial times an arm the policy did not choose: the regret measures choices, and leaves out batches that
+    explored; the runtime's trials ("trying it (...)") were counted as choices (3 batches, mean 24%)."""
+    r = _module(report.summary(_as_the_runtime_records(tmp_path)), H100.key, CORA).regret
+    assert (r.buckets, r.evaluated_buckets, r.batches, r.exploring) == (1, 1, 2, 1)
+    assert r.mean == 0.0  # ragged, the choice, averaged 7.0 ms against the trial's 12.0
 
 
 def test_device_calibration_and_measurements(filled):
@@ -236,13 +289,13 @@ def test_terminal_report_prints_the_numbers(filled, capsys):
     assert "Not calibrated" in out  # the CPU device
 
 
-def test_cpu_configs_do_not_claim_cublas(filled, capsys):
-    """The default ragged config's linears call torch.nn.functional.linear: cuBLAS on a GPU, PyTorch's CPU
-    matmul on a CPU; the printed labels say which."""
+def test_configs_are_printed_as_recorded(filled, capsys):
+    """The report prints an arm's config as `recent_decisions` and the database give it: the "cublas" linear backend
+    is torch.nn.functional.linear, which is cuBLAS on a GPU and PyTorch's own matmul on a CPU (kernels/_config.py)."""
     _, cpu, _ = filled
     assert report.main(["--db", str(filled[0]), "--device", cpu]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\| ragged:m\w+-torch +\| +\d+ \|", out) and "-cublas" not in out
+    assert re.search(r"\| ragged:m\w+-cublas +\| +\d+ \|", out) and "-torch" not in out
     assert report.main(["--db", str(filled[0]), "--device", H100.key]) == 0
     assert re.search(rf"\| {re.escape(LA)} +\| +3 \|", capsys.readouterr().out)
 
@@ -339,6 +392,73 @@ def test_html_report_is_self_contained_with_pictures(filled, tmp_path, capsys):
     assert str(out) in capsys.readouterr().err
 
 
+def _cpu_decisions(path, n: int = 22) -> str:
+    """`n` decisions of issue #43's light use on a 2-core CPU, none timed, at the prior's predictions (32x128:
+    4,743 ms padded, 2,607 ms ragged, where 28 / 17.8 ms were measured); the CPU's device key."""
+    cpu = DeviceKey("cpu: x86_64", "cpu", 2, 7900, "", "2.6.0", "3.2.0")
+    stats = BatchStats.from_lengths((128,) + (40,) * 31)
+    now = time.time()
+    with TuningDB.open(path) as db:
+        db.register_device(cpu)
+        db.add_decisions([Decision(now - i, cpu.key, CORA, stats, "ragged", CFG_A, {"padded": 4743.0, LA: 2607.0},
+                                   "cost model (prior)") for i in range(n)])  # fmt: skip
+    return cpu.key
+
+
+def test_a_picture_with_nothing_to_show_is_one_line_saying_why(tmp_path):
+    """After light use, section after section said "no data"; now the line says what is missing and why."""
+    pytest.importorskip("matplotlib")
+    _cpu_decisions(tmp_path / "t.sqlite")
+    out = tmp_path / "report.html"
+    assert report.main(["--db", str(tmp_path / "t.sqlite"), "--html", str(out)]) == 0
+    page = out.read_text()
+    assert "no data" not in page and page.count("<img") == 1  # the decision map
+    missing = re.findall(r"<p class='missing'>(.*?)</p>", page)
+    assert [line.split(":")[0] for line in missing] == ["No latency by batch size and arm on cpu",
+                                                        f"No predicted vs measured latency of {CORA.split(':')[0]}"]  # fmt: skip
+    assert "nothing was measured on this device" in missing[0] and "python -m autoragged.tune" in missing[0]
+    assert "none of its 22 batches kept was timed" in missing[1] and "sample_every" in missing[1]
+
+
+def test_identical_batches_are_one_point_sized_by_their_count():
+    """22 identical batches drew one dot the size of one."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from autoragged import _report_plots
+
+    same = [Decision(1.0 + i, H100.key, CORA, S1, "padded", None, {"padded": 2.0}, "x", 3.0) for i in range(22)]
+    other = [Decision(1.0, H100.key, CORA, S2, "padded", None, {"padded": 1.0}, "x", 1.5)]
+    for draw, where in ((_report_plots._decision_map, (S1.mean, S1.pad_fraction)),
+                        (_report_plots._predicted_vs_measured, (2.0, 3.0))):  # fmt: skip
+        ax = draw(Figure, same + other).axes[0]
+        (points,) = ax.collections
+        offsets = [tuple(xy) for xy in points.get_offsets()]
+        assert len(offsets) == 2, draw.__name__
+        sizes = dict(zip(offsets, points.get_sizes()))
+        assert sizes[where] > 4 * min(sizes.values()), draw.__name__
+        assert "22" in [t.get_text() for t in ax.texts], draw.__name__
+
+
+def test_latency_medians_show_their_spread():
+    """A CPU calibration's medians zig-zagged between 2 and 180 ms across neighbouring batch sizes (lengths differ
+    within a batch size): medians are of power-of-two ranges of batch sizes, each with its interquartile range."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+    from matplotlib.container import ErrorbarContainer
+    from matplotlib.figure import Figure
+
+    from autoragged import _report_plots
+
+    ms = {8: [2.0, 3.0, 180.0], 9: [4.0], 16: [5.0, 6.0, 7.0]}  # 8 and 9: one range, drawn at their median size
+    points = {CORA: [(b, v, "padded", "tune") for b, vs in ms.items() for v in vs]}
+    ax = _report_plots._latency_by_batch(Figure, points).axes[0]
+    (bars,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    segments = {round(seg[0][0]): (seg[0][1], seg[1][1]) for seg in bars.lines[2][0].get_segments()}
+    assert segments == {8: pytest.approx(tuple(np.percentile([2.0, 3.0, 180.0, 4.0], [25, 75]))),
+                        16: pytest.approx(tuple(np.percentile(ms[16], [25, 75])))}  # fmt: skip
+
+
 def test_html_without_matplotlib_fails_clearly(filled, tmp_path, monkeypatch, capsys):
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if it were not installed
@@ -381,6 +501,32 @@ def test_corrupt_database_gives_the_database_error(tmp_path, capsys):
     assert report.main(["--db", str(path)]) == 2
     err = capsys.readouterr().err
     assert "not a tuning database" in err and str(path) in err and "Traceback" not in err
+
+
+def test_a_directory_is_named_as_one(tmp_path, monkeypatch, capsys):
+    """$AUTORAGGED_DB set to a directory: the report said "nothing was recorded there yet"."""
+    monkeypatch.setenv("AUTORAGGED_DB", str(tmp_path))
+    assert report.main([]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'tuning.sqlite'}" in err and "is a directory" in err and "nothing was recorded" not in err
+
+
+def test_a_damaged_database_is_refused_as_damaged(tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    damaged_db(path)
+    capsys.readouterr()  # what setting the database up logged (through the handler of an earlier report.main)
+    assert report.main(["--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is damaged" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_database_in_a_read_only_mount_is_reported(filled, tmp_path):
+    """A read-only directory (a bind mount, so root is refused too): SQLite cannot make the -shm file a WAL reader
+    needs there, and the report refused the file as read-only."""
+    path = _copy(filled[0], tmp_path)
+    done = in_readonly_mount(tmp_path, ["-m", "autoragged.report", "--db", str(path)], env={"TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr
+    assert f"### module {CORA}" in done.stdout and f"{REAL_FORWARDS} batches from" in done.stdout
 
 
 def test_filters_that_match_nothing_say_so(filled, capsys):
@@ -453,7 +599,7 @@ DAMAGE = [
 
 
 def test_damaged_rows_are_skipped_and_counted_per_table(filled, tmp_path, capsys):
-    path, cpu, _ = filled
+    path, cpu, e = filled
     path = _copy(path, tmp_path)
     conn = sqlite3.connect(path)
     with conn:
@@ -473,7 +619,7 @@ def test_damaged_rows_are_skipped_and_counted_per_table(filled, tmp_path, capsys
     lines = [line for line in captured.out.splitlines() if line.startswith("Skipped")]
     assert [line.split(":")[0] for line in lines] == [
         "Skipped 1 of 2 devices rows", "Skipped 1 of 3 models rows", "Skipped 11 of 31 decisions rows",
-        "Skipped 4 of 8 measurements rows",
+        f"Skipped 4 of {8 + e['cpu_timed']} measurements rows",
     ]  # fmt: skip
     text = "\n".join(lines)
     for table, row, _, problem in DAMAGE:
@@ -501,6 +647,36 @@ def test_a_calibration_with_odd_metrics_is_shown_without_them(tmp_path, capsys):
     assert re.search(r"\| decision accuracy \(held out\) +\| - +\|", out) and "| fit rows" in out
     c = report.summary(path).devices[0].calibration
     assert (c.accuracy, c.mean_regret, c.rows, c.holdout) == (None, None, None, None)
+
+
+def test_a_calibration_not_adopted_is_shown_as_such(tmp_path, capsys):
+    """A fit that lost to the analytic prior on held-out batches is stored for the record; the runtime uses the
+    prior, and the report says so beside its numbers."""
+    path = tmp_path / "t.sqlite"
+    metrics = dict(accuracy=0.688, prior_accuracy=0.771, mean_regret=0.35, prior_mean_regret=0.25, adopted=False)
+    with TuningDB.open(path) as db:
+        db.save_model(device=H100, feature_version=FEATURE_VERSION, kind="gbt-arrays", payload={}, metrics=metrics)
+    assert report.summary(path).devices[0].calibration.adopted is False
+    assert report.main(["--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "not adopted" in line]
+    assert "analytic prior" in line and "Not calibrated" not in out
+
+
+def test_cpu_time_saved_by_the_prior_is_relative_only(filled, tmp_path, capsys):
+    """On a CPU the prior's latencies ran about 100x the measured ones and are equal for models of one shape: the
+    estimate of time saved is shown as a share of the time, not in milliseconds."""
+    path = tmp_path / "t.sqlite"
+    cpu = _cpu_decisions(path)
+    m = report.summary(path).devices[0].modules[0]
+    assert m.saved.relative_only and m.saved.vs_padded_pct == pytest.approx(100 * (4743 - 2607) / 4743)
+    assert not _module(report.summary(filled[0]), H100.key, CORA).saved.relative_only  # a GPU's stay in ms
+    assert report.main(["--db", str(path), "--device", cpu]) == 0
+    out = capsys.readouterr().out
+    start = out.index("| estimated time saved")
+    table = out[start : out.index("\n\n", start)]
+    assert "relative only" in table and " ms" not in table and re.search(r"\| +\+45\.0% \|", table)
+    assert "python -m autoragged.tune" in out[start:]
 
 
 def test_a_sqlite_file_that_is_no_tuning_database_is_refused_by_name(tmp_path, capsys):

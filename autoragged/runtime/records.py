@@ -13,7 +13,7 @@ import torch
 
 from ..tuning_db import BatchStats, Decision
 
-__all__ = ["Record", "PadsRing", "timers"]
+__all__ = ["Record", "PadsRing", "Timers", "quiet_mark"]
 
 
 class Record:
@@ -123,7 +123,7 @@ class PadsRing:
         self.owners: list[Record | None] = [None] * slots
 
     def put(self, pads: torch.Tensor, record: Record):
-        from .graphs import record_event
+        from ..graphs.capture import record_event
 
         B = pads.shape[0]
         if B > self.width:  # records still pending keep views of the old buffer, which is never written again
@@ -149,7 +149,7 @@ class PadsRing:
     def _release(self) -> None:
         """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
         not landed (-1) again: all slots are free."""
-        from .graphs import event_done
+        from ..graphs.capture import event_done
 
         pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
         self.owners = [None] * self.slots
@@ -182,8 +182,66 @@ class _HostTimer:
         return (end.t - self.t) * 1e3
 
 
-def timers(device: torch.device):
-    """(start, end) timers for a batch on `device`: CUDA events, or the host clock on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    return _HostTimer(), _HostTimer()
+class Timers:
+    """(start, end) timer pairs for a device, reused: CUDA events recorded through `record_event` (a few
+    microseconds, against tens for `Event.record`), or the host clock on a CPU, whose ops are synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else -1
+        self.free: list[tuple] = []
+
+    def start(self) -> tuple:
+        """A pair whose start is recorded now."""
+        pair = self.free.pop() if self.free else self._new()
+        self.record(pair[0])
+        return pair
+
+    def record(self, timer) -> None:
+        if self.cuda:
+            from ..graphs.capture import record_event
+
+            record_event(timer, self.index)
+        else:
+            timer.record()
+
+    def give(self, pair: tuple) -> None:
+        if len(self.free) < 64:
+            self.free.append(pair)
+
+    def _new(self) -> tuple:
+        if self.cuda:
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return _HostTimer(), _HostTimer()
+
+
+_COMPILES = [0]  # Triton kernels compiled (or loaded from its cache) in this process, counted by a JIT hook
+
+
+def _count_compiles() -> None:
+    """Chain a counter onto Triton's post-compile hook (a Triton without the hook: nothing is counted)."""
+    try:
+        from triton import knobs
+
+        hooks = knobs.runtime
+        before = hooks.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return
+
+    def post(*args, **kwargs):
+        _COMPILES[0] += 1
+        return before(*args, **kwargs) if before is not None else None
+
+    hooks.jit_post_compile_hook = post
+
+
+_count_compiles()
+
+
+def quiet_mark() -> tuple[int, int] | None:
+    """What one-time work has happened so far (kernels compiled, background captures begun and ended), or None
+    while a capture runs: a batch whose mark changed, or that began or ended during a capture, is no sample of its
+    arm's cost (a compile took 0.1-1 s of a batch's time; a capture competes with the caller for the host)."""
+    from ..graphs.worker import worker
+
+    return None if worker.busy else (_COMPILES[0], worker.changes)

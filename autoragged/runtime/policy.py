@@ -1,0 +1,162 @@
+"""The policy: which arm runs a batch, and so whether a mask that came alone is read.
+
+Per shape (`ShapeKey`: the batch size, the padded length's rung, and whether only a device mask came) the
+runtime keeps a `ShapeState`, and one rule decides:
+
+1. An arm's cost is its timed cost on this shape (the median of its recent timings; a batch that compiled a
+   kernel or ran beside a graph's warm-up is no timing), or, until it has one, the cost model's prediction scaled by
+   how far the model was off for that arm on the module's other shapes, else on the arms this shape has timed, and
+   never less than the host time its calls took on any shape of the module (`Scales`).
+2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
+   of the background worker (graphs/worker.py), and runs once it is there.
+3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
+   for MIN_SAMPLES batches (a graph among them is asked for at once, so that it is there for its trial); every
+   RETRY_EVERY batches of the shape, the runner-up within TRY_WITHIN is timed anew.
+4. The running arm is timed until it has MIN_SAMPLES timings, then every `sample_every`-th batch of the shape.
+
+The eager ragged arm needs the batch's lengths: on a shape whose mask came alone it reads them (a device->host
+copy, a sync), and its timings, taken from before the read, include what the read costs the stream. So a mask is
+read exactly where reading and running eagerly is measured (or predicted) to beat running without lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..tuning_db import BatchStats
+
+__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "KINDS", "TRY_WITHIN", "MIN_SAMPLES"]
+
+KINDS = ("padded", "ragged", "ragged_graph")  # the arms a batch may take: the module, our kernels, their graph
+# An arm predicted within this factor of the running one is worth timing: the prior leaves out most host time,
+# and a stream pays every arm tried (HF's padded forward took 549 ms at its first run on a new shape where the
+# running arm took 11.5; `benchmarks/stream_table.py`).
+TRY_WITHIN = 1.3
+MIN_SAMPLES = 3  # timings before an arm's cost is its own: the median of three outlasts one delayed batch
+RETRY_EVERY = 512  # batches of a shape between fresh timings of its runner-up: devices and streams drift
+_WINDOW = 8  # timings kept per arm
+
+
+class ShapeKey(NamedTuple):
+    """A shape: `batch` rows, padded to a length whose graph rung is `width`; `mask_only`: only a device mask came
+    (the lengths are unknown until read)."""
+
+    batch: int
+    width: int
+    mask_only: bool
+
+
+@dataclass
+class ShapeState:
+    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings (ms);
+    stats: the latest batch whose lengths reached the host (an unread batch is predicted with them); unread: the
+    record of the latest batch not read, whose stats are on their way to the host; trying: the arm being tried and
+    its batches left; retry_at: the batch count of the next fresh timing of the runner-up."""
+
+    batches: int = 0
+    timed: dict[str, deque] = field(default_factory=dict)
+    stats: BatchStats | None = None
+    unread: object = None
+    trying: str | None = None
+    tries_left: int = 0
+    retry_at: int = RETRY_EVERY
+
+
+@dataclass
+class Scales:
+    """What a module's timed batches say of each arm kind on shapes not timed yet: how far the cost model is off
+    (timed / predicted ms, the recent ones), and the least host time a call took. The prior leaves most host time
+    out: the eager arm's launches took 12-15 ms a batch of bert-base on a slow host whatever the batch, where its
+    GPU work on the short rows was a tenth of that; a scale learnt on the long rows, where the GPU's time decides,
+    put it within reach of the graph there, and each trial cost a batch 10x the graph's time."""
+
+    ratios: dict[str, deque] = field(default_factory=dict)
+    host_ms: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, kind: str, ms: float, predicted: float, host_ms: float) -> None:
+        if 0 < predicted < math.inf:
+            self.ratios.setdefault(kind, deque(maxlen=_WINDOW)).append(ms / predicted)
+        self.host_ms[kind] = min(host_ms, self.host_ms.get(kind, math.inf))
+
+    def estimate(self, kind: str, predicted: float, shape_scale: float) -> float:
+        ratios = self.ratios.get(kind)
+        scaled = predicted * (statistics.median(ratios) if ratios else shape_scale)
+        return max(scaled, self.host_ms.get(kind, 0.0))
+
+
+class Choice(NamedTuple):
+    """The arm kind that runs, whether its batch is timed, the graph-arm kind whose capture is wanted (or None),
+    and why this arm (for the decision record)."""
+
+    kind: str
+    timed: bool
+    want: str | None
+    why: str
+
+
+def costs(state: ShapeState, predicted: dict[str, float], scales: Scales | None = None) -> dict[str, float]:
+    """Each arm's cost: timed, else predicted and scaled (rule 1)."""
+    median = statistics.median
+    ratios = [median(state.timed[k]) / p for k, p in predicted.items() if state.timed.get(k) and 0 < p < math.inf]
+    shape = median(ratios) if ratios else 1.0
+    out = {}
+    for k, p in predicted.items():
+        timed = state.timed.get(k)
+        if timed:
+            out[k] = median(timed)
+        else:
+            out[k] = scales.estimate(k, p, shape) if scales is not None else p * shape
+    return out
+
+
+def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], sample_every: int,
+           scales: Scales | None = None) -> Choice:  # fmt: skip
+    """The arm for the shape's next batch (rules 2-4). `predicted`: ms per candidate kind (inf: never); `ready`:
+    the candidates that can run now (the padded arm always is); `scales`: the module's (rule 1)."""
+    state.batches += 1
+    cost = costs(state, predicted, scales)
+    best = min(cost, key=cost.__getitem__)
+    run = min((k for k in cost if k in ready), key=cost.__getitem__)
+    close = sorted((k for k in cost if k != run and cost[k] <= TRY_WITHIN * cost[run]), key=cost.__getitem__)
+    untried = [k for k in close if not state.timed.get(k)]
+    want = best if best not in ready else next((k for k in untried if k not in ready), None)
+    want = want if want is not None and cost[want] < math.inf else None
+    why = "timed on this device" if state.timed.get(run) else "predicted"
+    timed = len(state.timed.get(run, ())) < MIN_SAMPLES
+    if state.trying is not None and state.trying in ready and state.trying in cost:
+        run, why, timed = state.trying, f"trying it (the running arm is {run})", True
+        state.tries_left -= 1
+        if state.tries_left <= 0:
+            state.trying = None
+    elif not timed:
+        trial = _trial(state, [k for k in untried if k in ready], [k for k in close if k in ready])
+        if trial is not None:
+            run, why, timed = trial, f"trying it (the running arm is {run})", True
+            state.trying, state.tries_left = trial, MIN_SAMPLES - 1
+    if not timed and sample_every > 0 and state.batches % sample_every == 0:
+        timed = True
+    return Choice(run, timed and sample_every > 0, want, why)
+
+
+def _trial(state: ShapeState, untried: list[str], close: list[str]) -> str | None:
+    """The arm to try now (the cheapest first), or None (rule 3)."""
+    if untried:
+        return untried[0]
+    if state.batches >= state.retry_at:
+        state.retry_at = state.batches + RETRY_EVERY
+        if close:
+            state.timed[close[0]].clear()
+            return close[0]
+    return None
+
+
+def observe(state: ShapeState, kind: str, ms: float) -> None:
+    """A timing of `kind` on a batch of this shape."""
+    samples = state.timed.get(kind)
+    if samples is None:
+        samples = state.timed[kind] = deque(maxlen=_WINDOW)
+    samples.append(ms)

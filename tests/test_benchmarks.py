@@ -1,0 +1,82 @@
+"""The benchmarks of record run: each --smoke run (a tiny model on the CPU) prints its table and appends one JSON line
+with its rows to <--results>/<script>.jsonl; without a GPU a real run exits 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(script: str, *args: str, gpu: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU path: PyTorch's reference ops
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, f"benchmarks/{script}.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def smoke(script: str, tmp_path, *args: str) -> dict:
+    """The one line a --smoke run appended, after checking it exited 0."""
+    done = run(script, "--smoke", "--results", str(tmp_path), *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / f"{script}.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    line = json.loads(lines[0])
+    assert line["script"] == script and line["revision"] and line["env"]["device"].startswith("cpu")
+    assert line["env"]["torch"] and line["argv"][0] == "--smoke" and line["args"]["smoke"] is True
+    return line
+
+
+def test_cora_table_smoke(tmp_path):
+    line = smoke("cora_table", tmp_path)
+    assert [(r["dataset"], r["batch"]) for r in line["rows"]] == [("CoLA", 2), ("MRPC", 2)]
+    for r in line["rows"]:
+        assert all(r[c] > 0 for c in ("nofast", "fast", "compile", "auto", "auto_lengths", "ragged"))
+        assert r["auto_err"] < 1e-4 and r["best_over_auto"] > 0 and r["compile_s"] >= 0
+        assert sum(r["ragged_arms"].values()) == 3 and set(r["ragged_arms"]) == {"ragged"}
+    assert line["summary"]["geomean_best_over_auto"] > 0
+
+
+def test_hf_table_smoke_with_warmup(tmp_path):
+    pytest.importorskip("transformers")
+    line = smoke("hf_table", tmp_path, "--warmup")
+    assert [(r["model"], r["dataset"], r["batch"]) for r in line["rows"]] == [("bert-base", "CoLA", 2),
+                                                                              ("bert-base", "MRPC", 2)]  # fmt: skip
+    for r in line["rows"]:
+        assert all(r[c] > 0 for c in ("eager", "compile", "auto1", "auto2", "warm1", "warm2"))
+        assert r["second_over_first"] == pytest.approx(r["auto2"] / r["auto1"])
+        assert sum(r["auto_arms"].values()) == 32  # both passes of 16 batches
+    summary = line["summary"]["bert-base"]
+    assert summary["warmup_s"] > 0 and set(summary["misses"]) == {
+        "auto_vs_compile below 1.0", "second_over_first above 1.05", "warm_first_over_second above 1.2"
+    }  # fmt: skip
+
+
+def test_stream_table_smoke(tmp_path):
+    line = smoke("stream_table", tmp_path)
+    assert [(r["model"], r["dataset"], r["batch"]) for r in line["rows"]] == [("cora", "CoLA", 2), ("cora", "MRPC", 2)]
+    for r in line["rows"]:
+        assert all(r[c] > 0 for c in ("fast", "compile", "ragged", "auto", "auto_lengths", "auto2"))
+        assert r["auto_over_best_forced"] == pytest.approx(r["auto"] / min(r["ragged"], r["auto_lengths"]))
+    assert line["summary"]["cora"]["max_auto_over_best_forced"] > 0
+
+
+def test_encode_smoke(tmp_path):
+    pytest.importorskip("sentence_transformers")
+    line = smoke("encode", tmp_path)
+    plain, wrapped = line["rows"]
+    assert (plain["mode"], wrapped["mode"]) == ("plain", "wrapped") and wrapped["max_abs_diff"] < 1e-4
+    assert all(r[c] > 0 for r in line["rows"] for c in ("cold_s", "warm_s", "numpy_warm_s", "speedup_warm"))
+
+
+def test_a_run_of_record_needs_a_gpu(tmp_path):
+    done = run("cora_table", "--quick", "--results", str(tmp_path), gpu=False)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    assert not (tmp_path / "cora_table.jsonl").exists()

@@ -1,0 +1,170 @@
+"""The policy (runtime/policy.py): predicted costs until an arm is timed, timed costs after; the cheapest ready
+arm runs and a cheaper graph that is not ready is asked for; close arms are tried; the runner-up is timed anew on a
+schedule. Pure host logic: no model, no device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autoragged.runtime import policy
+from autoragged.runtime.policy import MIN_SAMPLES, RETRY_EVERY, TRY_WITHIN, ShapeState, choose, observe
+
+ALL = {"padded", "ragged", "ragged_graph"}
+
+
+def run(state, predicted, ready=ALL, sample_every=32, times=None):
+    """One batch: the choice, and its timing fed back where the batch is timed (times: kind -> ms)."""
+    choice = choose(state, predicted, set(ready), sample_every)
+    if choice.timed and times is not None:
+        observe(state, choice.kind, times[choice.kind])
+    return choice
+
+
+def test_until_timed_the_cheapest_prediction_runs_and_is_timed():
+    state = ShapeState()
+    choice = run(state, {"padded": 3.0, "ragged": 1.0, "ragged_graph": 2.0})
+    assert choice.kind == "ragged" and choice.timed and choice.want is None and choice.why == "predicted"
+
+
+def test_a_cheaper_graph_that_is_not_ready_is_asked_for_and_the_best_ready_arm_runs():
+    state = ShapeState()
+    choice = run(state, {"padded": 3.0, "ragged": 1.0, "ragged_graph": 0.5}, ready={"padded", "ragged"})
+    assert choice.kind == "ragged" and choice.want == "ragged_graph"
+    choice = run(state, {"padded": 3.0, "ragged": 1.0, "ragged_graph": 0.5})  # captured meanwhile
+    assert choice.kind == "ragged_graph" and choice.want is None
+
+
+def test_timed_costs_overrule_predictions_and_untimed_arms_are_scaled_like_the_timed():
+    """The prior said the graph (0.5) beats the eager arm (1.0); timed, the graph takes 2.0. The eager arm, not
+    timed yet, costs its prediction scaled by how far the model was off (4x): 4.0, so the graph keeps running;
+    once the eager arm is timed at 1.5, it runs."""
+    state = ShapeState()
+    predicted = {"padded": 10.0, "ragged": 1.0, "ragged_graph": 0.5}
+    for _ in range(MIN_SAMPLES):
+        assert run(state, predicted, times={"ragged_graph": 2.0}).kind == "ragged_graph"
+    assert policy.costs(state, predicted) == {"padded": 40.0, "ragged": 4.0, "ragged_graph": 2.0}
+    for _ in range(MIN_SAMPLES):
+        observe(state, "ragged", 1.5)
+    assert run(state, predicted).kind == "ragged"
+
+
+def test_an_untimed_arm_within_try_within_is_tried_for_min_samples_batches_then_the_faster_wins():
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    times = {"padded": 0.8, "ragged": 1.0}
+    kinds = [run(state, predicted, times=times).kind for _ in range(2 * MIN_SAMPLES + 2)]
+    assert kinds[:MIN_SAMPLES] == ["ragged"] * MIN_SAMPLES  # the running arm gets its timings first
+    assert kinds[MIN_SAMPLES : 2 * MIN_SAMPLES] == ["padded"] * MIN_SAMPLES  # 1.2 <= 1.3 x 1.0: tried
+    assert kinds[2 * MIN_SAMPLES :] == ["padded", "padded"]  # timed faster: it runs from now on
+
+
+def test_an_arm_predicted_beyond_try_within_is_never_tried():
+    state = ShapeState()
+    predicted = {"padded": TRY_WITHIN * 1.01, "ragged": 1.0}
+    kinds = {run(state, predicted, times={"ragged": 1.0, "padded": 0.1}).kind for _ in range(50)}
+    assert kinds == {"ragged"}
+
+
+def test_the_runner_up_is_timed_anew_every_retry_every_batches():
+    """Streams drift: at the shape's RETRY_EVERY-th batch the runner-up within TRY_WITHIN runs MIN_SAMPLES batches
+    with fresh timings; if it got faster meanwhile it takes over."""
+    state = ShapeState()
+    predicted = {"padded": 5.0, "ragged": 1.0, "ragged_graph": 1.1}
+    times = {"ragged": 1.0, "ragged_graph": 1.2}
+    kinds = [run(state, predicted, times=times).kind for _ in range(RETRY_EVERY - 1)]
+    assert kinds.count("ragged_graph") == MIN_SAMPLES and kinds[-1] == "ragged"  # its first trial only
+    times["ragged_graph"] = 0.7  # faster now: only a fresh timing can tell
+    retry = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES)]
+    assert retry == ["ragged_graph"] * MIN_SAMPLES
+    assert list(state.timed["ragged_graph"]) == [0.7] * MIN_SAMPLES  # the old timings were dropped
+    assert run(state, predicted).kind == "ragged_graph"
+
+
+def test_timing_follows_sample_every_once_an_arm_has_its_samples():
+    state = ShapeState()
+    predicted = {"padded": 5.0, "ragged": 1.0}
+    timed = [run(state, predicted, sample_every=4, times={"ragged": 1.0}).timed for _ in range(12)]
+    assert timed[:MIN_SAMPLES] == [True] * MIN_SAMPLES
+    assert timed[MIN_SAMPLES:] == [(i + 1) % 4 == 0 for i in range(MIN_SAMPLES, 12)]
+    never = ShapeState()
+    assert not any(run(never, predicted, sample_every=0).timed for _ in range(5))
+
+
+def test_one_slow_timing_does_not_overturn_a_choice():
+    """The cost is the median of the recent timings: one call delayed on the host (a first cuBLAS call) does
+    not decide."""
+    state = ShapeState()
+    for ms in (0.3, 40.0, 0.3):
+        observe(state, "ragged_graph", ms)
+    for ms in (0.5, 0.5, 0.5):
+        observe(state, "ragged", ms)
+    assert run(state, {"padded": 9.0, "ragged": 1.0, "ragged_graph": 1.0}).kind == "ragged_graph"
+
+
+@pytest.mark.parametrize("bad", [math.inf])
+def test_an_arm_without_a_usable_prediction_never_runs_untimed(bad):
+    state = ShapeState()
+    choice = run(state, {"padded": 2.0, "ragged": bad, "ragged_graph": bad})
+    assert choice.kind == "padded" and choice.want is None
+
+
+def test_a_graph_not_captured_yet_within_try_within_is_asked_for_at_once_then_tried_once_it_is_there():
+    """The prior puts the graph a little behind the eager arm; both are close enough to time. The graph is not
+    ready: its capture is asked for at the shape's first batch (it is captured while the eager arm gets its
+    timings), and it is tried once it is there."""
+    state = ShapeState()
+    predicted = {"padded": 9.0, "ragged": 1.0, "ragged_graph": 1.2}
+    times = {"ragged": 1.0, "ragged_graph": 0.4}
+    first = [run(state, predicted, ready={"padded", "ragged"}, times=times) for _ in range(MIN_SAMPLES + 1)]
+    assert [c.kind for c in first] == ["ragged"] * (MIN_SAMPLES + 1)
+    assert [c.want for c in first] == ["ragged_graph"] * (MIN_SAMPLES + 1)
+    tried = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES + 2)]
+    assert tried == ["ragged_graph"] * (MIN_SAMPLES + 2)  # tried, and timed faster it stays
+
+
+def test_a_trial_whose_graph_cannot_be_captured_is_dropped():
+    state = ShapeState()
+    predicted = {"padded": 9.0, "ragged": 1.0, "ragged_graph": 1.2}
+    for _ in range(MIN_SAMPLES + 1):
+        run(state, predicted, ready={"padded", "ragged"}, times={"ragged": 1.0})
+    without = {"padded": 9.0, "ragged": 1.0}  # its capture failed: no longer a candidate
+    choice = run(state, without, times={"ragged": 1.0})
+    assert choice.kind == "ragged" and choice.want is None
+
+
+def test_an_arms_cost_is_its_recent_timings_however_many_came_before():
+    """Devices and streams drift: the cost is the median of an arm's last _WINDOW timings. The graph ran slowly for
+    20 batches, then fast for _WINDOW: it is the fast arm again (the median of all its timings says 0.6)."""
+    state = ShapeState()
+    for _ in range(MIN_SAMPLES):
+        observe(state, "padded", 0.45)
+    for _ in range(20):
+        observe(state, "ragged_graph", 0.6)
+    predicted = {"padded": 1.0, "ragged_graph": 1.0}
+    assert run(state, predicted).kind == "padded"
+    for _ in range(policy._WINDOW):
+        observe(state, "ragged_graph", 0.3)
+    assert policy.costs(state, predicted)["ragged_graph"] == 0.3
+    assert run(state, predicted).kind == "ragged_graph"
+
+
+def test_an_arm_untimed_on_a_shape_costs_what_the_modules_other_shapes_say_of_it():
+    """The module's timings of an arm scale its prediction on a new shape, and its calls' least host time bounds it
+    from below: an eager arm whose launches took 12 ms of host time on long rows is not tried on a short row where
+    the graph takes 1.6 ms, however little GPU work the prior predicts for it there."""
+    from autoragged.runtime.policy import Scales
+
+    scales = Scales()
+    for _ in range(3):
+        scales.observe("ragged", 20.0, 19.0, 12.0)  # a long row: the GPU's time decides, the prior is close
+    state = ShapeState()
+    predicted = {"padded": 30.0, "ragged": 1.2, "ragged_graph": 1.1}
+    for _ in range(MIN_SAMPLES):
+        observe(state, "ragged_graph", 1.6)
+    cost = policy.costs(state, predicted, scales)
+    assert cost["ragged"] == 12.0 and cost["ragged_graph"] == 1.6
+    kinds = {choose(state, predicted, ALL, 32, scales).kind for _ in range(20)}
+    assert kinds == {"ragged_graph"}
+    assert scales.estimate("padded", 2.0, 1.5) == 3.0  # not timed anywhere: this shape's scale

@@ -1,0 +1,156 @@
+"""The runtime's per-batch path (runtime/core.py) on a CPU: which arm runs, when a mask alone is read, what is
+recorded and timed. A mask on the device is simulated (`core._on_device`): reading it is then what the runtime
+avoids where it can. Cost models with known answers come from tests/_fakes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fakes import Fixed
+from test_wrap import LENGTHS, batch, make_encoder, pads, real_tokens
+
+import autoragged
+from autoragged._planner import Planner
+from autoragged.runtime import core
+from autoragged.runtime.policy import MIN_SAMPLES, ShapeKey
+
+
+def with_model(enc, model):
+    rt = enc._autoragged
+    rt.planners[torch.device("cpu")] = Planner(rt.sig, model)
+    return rt
+
+
+@pytest.fixture
+def device_masks(monkeypatch):
+    """Masks count as device masks (a read is a sync) and every read is counted."""
+    reads = []
+    real = core.mask_lengths
+    monkeypatch.setattr(core, "_on_device", lambda mask: True)
+    monkeypatch.setattr(core, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
+    return reads
+
+
+def test_a_mask_alone_is_read_once_then_only_where_the_running_arm_needs_lengths(device_masks):
+    """A shape's first batch reads (nothing known of it yet); after that, with the padded arm cheapest, no batch
+    reads, and each record still gets the batch's own stats (counted on the device, brought home later)."""
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=mask)
+    autoragged.wrap(enc, db=False, sample_every=0)
+    with_model(enc, Fixed({"padded": 1.0, "ragged": 2.0}))
+    with torch.no_grad():
+        outs = [enc(x, src_key_padding_mask=mask) for _ in range(6)]
+    assert len(device_masks) == 1
+    for y in outs:
+        torch.testing.assert_close(real_tokens(y, LENGTHS), real_tokens(want, LENGTHS), rtol=1e-4, atol=1e-4)
+        assert (pads(y, LENGTHS) == 0).all()
+    decisions = autoragged.recent_decisions(enc, 6)
+    assert [d.arm for d in decisions] == ["padded"] * 6
+    assert all(d.stats.total == sum(LENGTHS) and d.stats.max_len == max(LENGTHS) for d in decisions)
+
+
+def test_where_the_eager_arm_is_cheapest_every_batch_reads(device_masks):
+    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0)
+    with_model(enc, Fixed({"padded": 3.0, "ragged": 1.0}))
+    x, mask = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        for _ in range(4):
+            enc(x, src_key_padding_mask=mask)
+    assert len(device_masks) == 4
+    assert [d.arm for d in autoragged.recent_decisions(enc, 4)] == ["ragged"] * 4
+
+
+def test_timings_overrule_the_prediction_and_a_read_counts_against_the_arm_that_needs_it(device_masks, monkeypatch):
+    """Predicted, the eager arm wins; timed, its batches (read included) take longer than the padded arm's, which
+    it tries (predicted within TRY_WITHIN), and the shape goes padded: from then on it reads no more."""
+    enc = autoragged.wrap(make_encoder(), db=False, sample_every=32)
+    rt = with_model(enc, Fixed({"padded": 1.2, "ragged": 1.0}))
+    x, mask = batch(LENGTHS, 64, "cpu")
+    times = {"padded": 1.0, "ragged": 5.0}
+
+    def timed(self, timer, t0, record, kind, shape):
+        record.measured_ms = times[kind]
+        core.policy.observe(shape, kind, times[kind])
+        self.ring.append(record)
+
+    monkeypatch.setattr(core.Runtime, "_time", timed)
+    with torch.no_grad():
+        arms = [(enc(x, src_key_padding_mask=mask), autoragged.recent_decisions(enc, 1)[0].arm)[1] for _ in range(9)]
+    assert arms == ["ragged"] * MIN_SAMPLES + ["padded"] * (9 - MIN_SAMPLES)
+    state = rt.shapes[ShapeKey(len(LENGTHS), core.mask_width(x.shape[1]), True)]
+    assert list(state.timed["ragged"]) == [5.0] * MIN_SAMPLES and len(state.timed["padded"]) >= MIN_SAMPLES
+    reads = len(device_masks)
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
+    assert len(device_masks) == reads
+
+
+def test_an_unread_batch_with_left_padding_is_still_right(device_masks):
+    """A shape's later batches are not read; the arms that run without lengths take any mask as it is."""
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    autoragged.wrap(enc, db=False, sample_every=0)
+    with_model(enc, Fixed({"padded": 1.0, "ragged": 2.0}))
+    left = mask.flip(1)
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=mask)
+        got = enc(x, src_key_padding_mask=left)
+        assert len(device_masks) == 1
+        autoragged.unwrap(enc)
+        want = enc(x, src_key_padding_mask=left).masked_fill(left[..., None], 0.0)
+    torch.testing.assert_close(got[~left], want[~left], rtol=1e-4, atol=1e-4)
+    assert (got[left] == 0).all()
+
+
+def test_causal_mask_batches_always_read_their_lengths(device_masks):
+    """The arms that run without lengths take the key padding mask alone, never a causal one."""
+    enc = make_encoder()
+    x, mask = batch(LENGTHS, 64, "cpu")
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+    autoragged.wrap(enc, db=False, sample_every=0)
+    with_model(enc, Fixed({"padded": 1.0, "ragged": 2.0}))
+    with torch.no_grad():
+        for _ in range(4):
+            got = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+        assert len(device_masks) == 4
+        autoragged.unwrap(enc)
+        want = enc(x, mask=causal, src_key_padding_mask=mask, is_causal=True)
+    torch.testing.assert_close(got[~mask], want[~mask], rtol=1e-4, atol=1e-4)
+
+
+def test_timed_batches_reach_the_policy_and_the_database(tmp_path):
+    """On a CPU the host clock times a batch. The first MIN_SAMPLES batches of the running arm are timed; their
+    timings are the shape's costs and go to the database as runtime measurements."""
+    from autoragged.tuning_db import TuningDB
+
+    path = tmp_path / "t.sqlite"
+    enc = autoragged.wrap(make_encoder(), db=path, sample_every=32)
+    rt = with_model(enc, Fixed({"padded": 1.0, "ragged": 2.0}))
+    x, _ = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        for _ in range(MIN_SAMPLES + 2):
+            enc(x, lengths=LENGTHS)
+    rt.harvest(wait=True)
+    (state,) = rt.shapes.values()
+    assert len(state.timed["padded"]) == MIN_SAMPLES
+    timed = [d for d in autoragged.recent_decisions(enc, 10) if d.measured_ms is not None]
+    assert len(timed) == MIN_SAMPLES and all(d.measured_ms > 0 for d in timed)
+    autoragged.flush()
+    with TuningDB.open(path) as db:
+        found = db.measurements(source="runtime")
+    assert len(found) == MIN_SAMPLES and {m.arm for m in found} == {"padded"}
+
+
+def test_warmup_batches_are_recorded_and_say_so(tmp_path):
+    from autoragged.tuning_db import TuningDB
+
+    path = tmp_path / "t.sqlite"
+    enc = autoragged.wrap(make_encoder(), db=path)
+    summary = autoragged.warmup(enc, [[5, 3], [7, 7, 2]], progress=False)
+    assert summary.modules == 1 and summary.batches == 4  # each batch twice: as traffic, then timed
+    autoragged.flush()
+    with TuningDB.open(path) as db:
+        rows = db.decisions()
+    assert len(rows) == 4 and all(r.reason.endswith("(warmup)") for r in rows)
