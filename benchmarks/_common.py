@@ -1,142 +1,220 @@
-"""Shared benchmark plumbing: environment header, timing, tables, JSON."""
+"""Shared plumbing of the benchmarks of record: the environment header, the CoRa rows, timing, tables, and the
+one JSON line each run appends to benchmarks/results/<script>.jsonl.
+
+A line: {"script", "revision" (git short hash, "-dirty" when the tree differs), "time" (UTC), "env" (device and
+versions), "argv", "args", "rows", and whatever summary the script adds}.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
+import subprocess
 import sys
+import time
+from collections import Counter
 
+import numpy as np
 import torch
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+QUICK_ROWS = (("CoLA", "MNLI", "RACE"), (32, 128))
+SMOKE_ROWS = (("CoLA", "MRPC"), (2,))
+WARM, TIMED = 4, 16  # the serving protocol's batches per row: warm-up, then timed twice
+
+
+# -- environment and the results line -------------------------------------------------------------------------
+def revision() -> str:
+    """The checkout's short git revision, with "-dirty" when files differ from it (the results aside); where there
+    is no git checkout (a copied tree), $AUTORAGGED_REVISION or "unknown"."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60)
+        return done.stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("AUTORAGGED_REVISION", "unknown")
+    return head + ("-dirty" if changed else "")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def environment() -> dict:
-    import triton
-
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(),
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": _version("triton") or _version("pytorch-triton"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
         "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env["sm_count"] = props.multi_processor_count
-        env["memory_gb"] = round(props.total_memory / 2**30, 1)
+
+
+def header(title: str) -> dict:
+    """Print the title, the revision, device and versions; returns the environment."""
+    env = environment()
+    print(f"# {title}")
+    print(" | ".join([f"revision {revision()}", *(f"{k} {v}" for k, v in env.items() if v is not None)]), flush=True)
     return env
 
 
-def header(title: str, env: dict) -> None:
-    print(f"# {title}")
-    print(" | ".join(f"{k} {v}" for k, v in env.items()))
-    sys.stdout.flush()
+def record(script: str, args: argparse.Namespace, rows: list[dict], **extra) -> pathlib.Path:
+    """Append this run's line to <args.results or benchmarks/results>/<script>.jsonl; returns the file."""
+    line = {
+        "script": script,
+        "revision": revision(),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "env": environment(),
+        "argv": sys.argv[1:],
+        "args": vars(args),
+        "rows": rows,
+        **extra,
+    }
+    path = pathlib.Path(getattr(args, "results", None) or RESULTS) / f"{script}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+    print(f"appended a line to {path}")
+    return path
 
 
-def require_cuda(name: str) -> None:
+# -- arguments and rows ---------------------------------------------------------------------------------------
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark of record: its docstring as help, --quick, --smoke and --results."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a short GPU run (see above)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script in seconds")
+    p.add_argument("--results", help="folder of the JSONL file (default benchmarks/results)")
+    return p
+
+
+def add_row_arguments(p: argparse.ArgumentParser) -> None:
+    from autoragged.workloads import CORA
+
+    p.add_argument("--datasets", nargs="+", choices=list(CORA), help="default: all eight, in CoRa's order")
+    p.add_argument("--batch-sizes", nargs="+", type=int, help="default: 32 64 128")
+
+
+def cora_rows(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(dataset, batch size) in order: --datasets x --batch-sizes, else the quick, smoke or full 24 rows."""
+    from autoragged.workloads import CORA, CORA_BATCH_SIZES
+
+    names, sizes = list(CORA), CORA_BATCH_SIZES
+    if args.smoke:
+        names, sizes = SMOKE_ROWS
+    elif args.quick:
+        names, sizes = QUICK_ROWS
+    return [(name, batch) for name in args.datasets or names for batch in args.batch_sizes or sizes]
+
+
+def row_seed(dataset: str, batch: int) -> int:
+    return sum(map(ord, dataset)) * 1000 + batch
+
+
+def row_batches(dataset: str, batch: int, make, *args) -> tuple[list, list]:
+    """(WARM warm-up batches, TIMED timed batches) of a row of the serving protocol: make(lengths, generator,
+    *args) for each PyCoRa draw, seeded by the row."""
+    from autoragged.workloads import sample_cora
+
+    rng = np.random.default_rng(row_seed(dataset, batch))
+    g = torch.Generator().manual_seed(row_seed(dataset, batch))
+    made = [make(sample_cora(dataset, batch, rng), g, *args) for _ in range(WARM + TIMED)]
+    return made[:WARM], made[WARM:]
+
+
+def require_cuda(script: str) -> torch.device:
+    """The GPU; without one, exit 2."""
     if not torch.cuda.is_available():
-        print(f"{name}: needs a CUDA GPU (none found); nothing measured.", file=sys.stderr)
+        print(f"{script} needs a CUDA GPU (none found); where it has --smoke, that checks it on the CPU.",
+              file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
+    return torch.device("cuda")
 
 
-def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
-    """Median / p10 / p90 milliseconds of `fn` (CUDA events through triton.testing.do_bench, which
-    also flushes L2 between runs)."""
-    from triton.testing import do_bench
+def device_of(args: argparse.Namespace, script: str) -> torch.device:
+    """The CPU for --smoke, else the GPU (exit 2 without one)."""
+    if not args.smoke:
+        return require_cuda(script)
+    torch.set_num_threads(1)  # a tiny encoder's call on 2 shared cores: 170 ms with 2 threads, 0.8 ms with one
+    return torch.device("cpu")
 
-    p10, med, p90 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.1, 0.5, 0.9])
-    return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
+
+# -- timing ---------------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def gpu_ms(fn, n: int = 200, warmup: int = 5) -> float:
-    """ms a call of `fn` queued back to back: n calls, no sync between them, timed by CUDA events, divided by n
-    (the GPU's time where the host keeps ahead of it, else the host's)."""
-    for _ in range(warmup):
+def latency_ms(fn, device: torch.device, warmup: int, reps: int) -> tuple[float, float]:
+    """(ms of the first call, median ms of `reps` calls after `warmup` - 1 more): each call alone between
+    synchronisations, so a batch's latency with its host work."""
+    times = []
+    for _ in range(max(warmup, 1) + reps):
+        sync(device)
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[0], sorted(times[-reps:])[reps // 2]
 
 
-def matmul_peak_tflops(dtype=torch.float16, n: int = 8192, shape: tuple[int, int, int] | None = None) -> float:
-    """Measured dense matmul rate (random data, n x n x n, or (m, k, n) = `shape`), the yardstick for 'share of
-    peak' (a model's own product shape gives its roofline)."""
-    m, k, n = shape or (n, n, n)
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    b = torch.randn(k, n, device="cuda", dtype=dtype)
-    ms = bench_ms(lambda: a @ b, rep_ms=300)["median_ms"]
-    return 2 * m * k * n / ms / 1e9
+def pass_ms(fn, batches: list, device: torch.device) -> float:
+    """ms per batch of `fn` over `batches` queued back to back: one synchronisation before, one at the end."""
+    sync(device)
+    t0 = time.perf_counter()
+    for b in batches:
+        fn(b)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / len(batches)
 
 
-def kind_of(name: str, kinds: list[tuple[str, tuple[str, ...]]]) -> str:
-    """The kind of a CUDA kernel by name: the first of `kinds` (kind, name fragments) that matches, else
-    "elementwise" for PyTorch's elementwise kernels and "other"."""
-    low = name.lower()
-    for kind, keys in kinds:
-        if any(k.lower() in low for k in keys):
-            return kind
-    return "elementwise" if "elementwise" in low or "vectorized" in low else "other"
+def serve_row(fn, warm: list, timed: list, device: torch.device) -> dict:
+    """The serving protocol's row for one model: the `warm` batches (their seconds), then `timed` back to back
+    (the first pass), then the same batches again (the second pass), in ms per batch."""
+    sync(device)
+    t0 = time.perf_counter()
+    for b in warm:
+        fn(b)
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    return {"warm_s": warm_s, "first": pass_ms(fn, timed, device), "second": pass_ms(fn, timed, device)}
 
 
-def profile_kernels(fn, kinds) -> tuple[float, dict[str, float], list]:
-    """One call of `fn` under torch.profiler: (kernel ms, kernel ms by `kind_of`, the 12 longest kernels as
-    [name, ms, launches])."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    by_kind: dict[str, float] = {}
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            kind = kind_of(e.key, kinds)
-            by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
-            kernels.append([e.key[:90], us / 1e3, e.count])
-    kernels.sort(key=lambda k: -k[1])
-    return sum(by_kind.values()), by_kind, kernels[:12]
+# -- reporting ------------------------------------------------------------------------------------------------
+def arms_ran(model, n: int) -> dict[str, int]:
+    """How often each arm ran in the last `n` decisions of a wrapped model."""
+    import autoragged
+
+    return dict(Counter(d.arm for d in autoragged.recent_decisions(model, n)))
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Markdown table; columns are (key, title, format)."""
+    """A markdown table; columns are (key, title, format)."""
     head = "| " + " | ".join(t for _, t, _ in columns) + " |"
     rule = "|" + "|".join("---" for _ in columns) + "|"
     body = []
     for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            v = r.get(key)
-            cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+        cells = ["-" if r.get(k) is None else format(r[k], fmt) for k, _, fmt in columns]
         body.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, rule, *body])
-
-
-def write_json(name: str, payload: dict, out: str | None = None) -> pathlib.Path:
-    """Write under benchmarks/results/ (and also into $OUT when set, for the lent GPU machine)."""
-    path = pathlib.Path(out) if out else RESULTS / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, default=str))
-    extra = os.environ.get("OUT")
-    if extra:
-        pathlib.Path(extra, path.name).write_text(path.read_text())
-    return path
-
-
-def what_ran(model, n: int) -> dict[str, int]:
-    """What a wrapped model's last n decisions ran ("arm[:linear backend] | reason"), counted."""
-    import autoragged
-
-    ran: dict[str, int] = {}
-    for d in autoragged.recent_decisions(model, n):
-        key = f"{d.arm}{'' if d.config is None else ':' + d.config['backend']} | {d.reason[:70]}"
-        ran[key] = ran.get(key, 0) + 1
-    return ran

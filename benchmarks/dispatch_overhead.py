@@ -1,21 +1,25 @@
-"""The dispatcher's own cost per batch: lengths, stats, plan, record (the arms themselves excluded).
+"""The dispatcher's host cost per batch: a wrapped encoder forced to the padded arm against the plain encoder.
 
-    python benchmarks/dispatch_overhead.py            # CPU is fine; the goal is a median under 20 us
+    python benchmarks/dispatch_overhead.py                 # 20,000 calls a row
+    python benchmarks/dispatch_overhead.py --quick         # 3,000 calls a row
+    python benchmarks/dispatch_overhead.py --smoke         # on the CPU: checks the script
 
-The wrapped CoRa encoder's runtime is called directly with its arm execution replaced by a no-op, on
-batches of CoRa lengths (new lengths every call, so layouts and stats are fresh; the planner's decision
-cache sees the realistic hit rate). Modes: host `lengths=` (also with the model frozen and grad mode on,
-as a frozen encoder is called in a training loop without torch.no_grad), a RaggedTensor input, a key padding mask
-(on the GPU when there is one: then the cost includes the mask reduction and its one device->host copy),
-and a mask of a (B, L) shape the padded side keeps winning, whose lengths are not read (the cost then
-includes the deferred stats: one device->host copy into pinned memory and an event, no sync).
-Decisions are recorded to a temporary tuning database (the recorder's queue; flushes happen on its
-thread). Prints a table and writes benchmarks/results/dispatch_overhead.json.
+A one-layer encoder (d_model 512, 8 heads, ff 2048, fp16: its padded forward is a few launches) is called on
+batches of CoRa lengths (CoLA and RACE, B = 32 and 128; new lengths every call, 256 draws cycled, padded to the
+dataset's longest), each call alone after a synchronisation, its host time taken (the launches, not the GPU's
+work). Columns, median host us:
+  plain     the encoder itself, model(x, src_key_padding_mask=mask)
+  padded    autoragged.wrap(model, db=<a temporary database>, policy="padded"): the same arm, so padded - plain is
+            the dispatcher's cost: reading the call, the batch's statistics, the decision and its record
+  auto      autoragged.wrap(model, db=<another>): whichever arm the policy picks, as a user gets it (the arms it
+            ran are listed)
+Inputs: "lengths=" (host ints) and "mask" (the lengths read from the mask: a device-to-host copy).
+Appends a line to benchmarks/results/dispatch_overhead.jsonl.
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import pathlib
 import statistics
 import sys
@@ -28,104 +32,93 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged import RaggedTensor  # noqa: E402
-from autoragged._costmodel import PADDED  # noqa: E402
-from autoragged.runtime.core import _shape_entry  # noqa: E402
 from autoragged.workloads import CORA, sample_cora  # noqa: E402
-from benchmarks._common import environment, header, table, write_json  # noqa: E402
+from benchmarks._common import arms_ran, device_of, header, parser, record, sync, table  # noqa: E402
+from benchmarks.cora_table import TINY, encoder  # noqa: E402
+
+ONE_LAYER = {"layers": 1, "d_model": 512, "heads": 8, "ff": 2048}
+DRAWS = 256
 
 
-def measure(runtime, module, inputs, calls: int) -> list[float]:
-    """Per-call microseconds of the wrapped module's forward (reading the call, then runtime.run) over
-    `inputs` (cycled)."""
+def host_us(fn, inputs: list, calls: int, device) -> list[float]:
+    """Host microseconds of each of `calls` calls of fn(input), inputs cycled, each after a synchronisation."""
     times = []
-    n = len(inputs)
     for i in range(calls):
-        src, kpm, lengths = inputs[i % n]
+        sync(device)
         t0 = time.perf_counter_ns()
-        module.forward(src, None, kpm, None, lengths=lengths)
+        fn(inputs[i % len(inputs)])
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return times
 
 
+def inputs_of(dataset: str, batch: int, width: int, dtype, device, rng) -> list[tuple]:
+    """DRAWS (x, mask, lengths) batches of the dataset's longest length, x zeros (the values do not matter)."""
+    L = CORA[dataset].max
+    x = torch.zeros(batch, L, width, device=device, dtype=dtype)
+    out = []
+    for _ in range(DRAWS):
+        lengths = sample_cora(dataset, batch, rng)
+        mask = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None]).to(device)
+        out.append((x, mask, lengths))
+    return out
+
+
+def callers(models: dict) -> dict:
+    """{(column, input): fn((x, mask, lengths))}."""
+    plain = models["plain"]
+    out = {("plain", "mask"): lambda b: plain(b[0], src_key_padding_mask=b[1])}
+    for col in ("padded", "auto"):
+        m = models[col]
+        out[(col, "mask")] = lambda b, m=m: m(b[0], src_key_padding_mask=b[1])
+        out[(col, "lengths=")] = lambda b, m=m: m(b[0], lengths=b[2])
+    return out
+
+
+def bench(models: dict, args, device) -> list[dict]:
+    layer = models["plain"].layers[0]
+    width, dtype = layer.self_attn.embed_dim, layer.linear1.weight.dtype
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batch_sizes:
+        for dataset in args.datasets:
+            inputs = inputs_of(dataset, batch, width, dtype, device, rng)
+            for mode in ("lengths=", "mask"):
+                row = {"dataset": dataset, "batch": batch, "input": mode}
+                for (col, how), fn in callers(models).items():
+                    if how == mode or col == "plain":
+                        host_us(fn, inputs, args.calls // 10, device)  # warm: kernels, caches, the policy's timings
+                        row[col] = statistics.median(host_us(fn, inputs, args.calls, device))
+                row["overhead"] = row["padded"] - row["plain"]
+                row["auto_arms"] = arms_ran(models["auto"], args.calls)
+                rows.append(row)
+                print(f"  B={batch} {dataset} {mode}: plain {row['plain']:.1f} us, padded {row['padded']:.1f}, "
+                      f"auto {row['auto']:.1f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=20000, help="timed calls per row (default 20000)")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/dispatch_overhead.json)")
-    args = parser.parse_args(argv)
-    env = environment()
-    header("dispatcher overhead per batch (arms excluded)", env)
-    torch.manual_seed(0)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).eval().to(dev)
+    p = parser(__doc__)
+    p.add_argument("--calls", type=int, default=20000, help="timed calls per row and column (default 20000)")
+    args = p.parse_args(argv)
+    args.calls = 200 if args.smoke else 3000 if args.quick else args.calls
+    args.batch_sizes, args.datasets = ((2,), ("CoLA", "MRPC")) if args.smoke else ((32, 128), ("CoLA", "RACE"))
+    device = device_of(args, "benchmarks/dispatch_overhead.py")
+    header("The dispatcher's host cost per batch" + (", smoke: tiny, CPU" if args.smoke else ""))
+    plain = encoder({**TINY, "layers": 1} if args.smoke else ONE_LAYER, device)
     with tempfile.TemporaryDirectory() as tmp:
-        autoragged.wrap(model, db=pathlib.Path(tmp) / "overhead.sqlite", sample_every=0)
-        runtime = model._autoragged
-        runtime._execute = lambda module, call, arm, *rest: (call.src, None)  # the arms are not what this measures
-        pads = {}
-        runtime._execute_unread = lambda module, call, arm, *rest: (call.x, pads[call.B], call.L, None, None)
-        judge, judge_entry = runtime._judge_shape, runtime._judge_entry
-
-        def trusted_entry(entry, *a):  # the one-behind verdict's work, its outcome kept: the mode stays unread
-            streak = entry[0]
-            judge_entry(entry, *a)
-            entry[0] = streak
-            return entry
-
-        rows = []
-        rng = np.random.default_rng(0)
-        for batch in (32, 128):
-            for dataset in ("CoLA", "RACE"):
-                L = CORA[dataset].max
-                x = torch.zeros(batch, L, 1, device=dev)  # shape only: the arm never reads it
-                pads[batch] = torch.zeros(batch, dtype=torch.int32, device=dev)
-                draws = [sample_cora(dataset, batch, rng) for _ in range(256)]
-
-                def mask(lens, L=L):
-                    return (torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
-
-                modes = {
-                    "lengths=": [(x, None, lens) for lens in draws],
-                    "lengths=, frozen, grad mode on": [(x, None, lens) for lens in draws],
-                    "RaggedTensor": [(RaggedTensor.from_padded(x, lens), None, None) for lens in draws],
-                    f"mask on {dev.type}": [(x, mask(lens), None) for lens in draws],
-                    f"mask on {dev.type}, not read": [(x, mask(lens), None) for lens in draws],
-                }
-                for mode, inputs in modes.items():
-                    runtime.mask_shapes.clear()
-                    if mode.endswith("not read"):  # the shape is trusted padded: lengths stay on the device
-                        runtime._judge_shape, runtime._judge_entry = judge, trusted_entry
-                        runtime.mask_shapes[runtime._shape_key(batch, L)] = _shape_entry(10**9, PADDED, {"padded": 1.0})
-                    else:  # every mask is read (the shape is never trusted)
-                        runtime._judge_shape = lambda *a: _shape_entry()  # (a streak of 0)
-                    # a frozen model called without torch.no_grad: the autograd check reads every parameter's flag
-                    frozen = "frozen" in mode
-                    model.requires_grad_(not frozen)
-                    with torch.enable_grad() if frozen else torch.no_grad():
-                        measure(runtime, model, inputs, 2000)  # warm: planner, caches
-                        us = measure(runtime, model, inputs, args.calls)
-                    model.requires_grad_(True)
-                    us.sort()
-                    rows.append({
-                        "batch": batch, "dataset": dataset, "mode": mode,
-                        "median_us": statistics.median(us), "p90_us": us[len(us) * 9 // 10],
-                        "p99_us": us[len(us) * 99 // 100],
-                    })  # fmt: skip
-                    print(f"  B={batch} {dataset} {mode}: median {rows[-1]['median_us']:.1f} us", flush=True)
+        models = {
+            "plain": plain,
+            "padded": autoragged.wrap(copy.deepcopy(plain), db=pathlib.Path(tmp, "padded.sqlite"), policy="padded"),
+            "auto": autoragged.wrap(copy.deepcopy(plain), db=pathlib.Path(tmp, "auto.sqlite")),
+        }
+        with torch.inference_mode():
+            rows = bench(models, args, device)
         autoragged.flush()
-    print("\n## dispatcher cost per batch, microseconds (arms excluded)\n")
-    columns = [("batch", "B", "d"), ("dataset", "lengths", ""), ("mode", "input", ""),
-               ("median_us", "median", ".1f"), ("p90_us", "p90", ".1f"), ("p99_us", "p99", ".1f")]  # fmt: skip
-    print(table(rows, columns))
-    host = max(r["median_us"] for r in rows if not r["mode"].startswith("mask"))
-    masked = max(r["median_us"] for r in rows if r["mode"].startswith("mask") and not r["mode"].endswith("read"))
-    unread = max(r["median_us"] for r in rows if r["mode"].endswith("not read"))
-    print(f"\nworst median with host lengths / RaggedTensor input: {host:.1f} us (goal: under 20 us)")
-    print(f"worst median when lengths come from a key padding mask (its reduction and one copy): {masked:.1f} us")
-    print(f"worst median of a mask whose lengths are not read (deferred stats): {unread:.1f} us")
-    path = write_json("dispatch_overhead.json", {"env": env, "rows": rows}, args.out)
-    print(f"wrote {path}")
+    print("\n## host microseconds per call (median); overhead = padded - plain\n")
+    print(table(rows, [("batch", "B", "d"), ("dataset", "lengths", ""), ("input", "input", ""),
+                       ("plain", "plain", ".1f"), ("padded", "padded", ".1f"), ("overhead", "overhead", ".1f"),
+                       ("auto", "auto", ".1f")]))  # fmt: skip
+    record("dispatch_overhead", args, rows)
     return 0
 
 

@@ -11,7 +11,8 @@ Qwen2.5-0.5B's 14 / 2 x 64) and ModernBERT-base's local layers (12 heads x 64, w
 sequences of max_len / 2 .. max_len tokens (~16k tokens a batch), bf16, against varlen_attn and aten's
 _flash_attention_forward with the same window and kv heads; FLOPs count the (query, key) pairs the mask
 keeps. Linear: [T, K] x [K, N] + bias for the encoder's four shapes.
-Prints tables and writes benchmarks/results/kernels.json.
+GPU only (no --smoke: the Triton interpreter runs the kernels, not their speed). Prints tables and appends a line
+to benchmarks/results/kernels.jsonl.
 """
 
 from __future__ import annotations
@@ -31,17 +32,26 @@ from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 
 from autoragged import KernelConfig, RaggedTensor  # noqa: E402
 from autoragged.workloads import CORA, CORA_BATCH_SIZES, sample_cora  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-    bench_ms,
-    environment,
-    header,
-    matmul_peak_tflops,
-    require_cuda,
-    table,
-    write_json,
-)
+from benchmarks._common import header, record, require_cuda, table  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
+
+
+def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """Median / p10 / p90 ms of `fn` (CUDA events through triton.testing.do_bench, which flushes L2 between
+    runs)."""
+    from triton.testing import do_bench
+
+    p10, med, p90 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.1, 0.5, 0.9])
+    return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
+
+
+def matmul_peak_tflops(dtype=torch.float16, shape: tuple[int, int, int] = (8192, 8192, 8192)) -> float:
+    """The measured dense matmul rate on random data of (m, k, n) = `shape`: the yardstick for a share of peak."""
+    m, k, n = shape
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    return 2 * m * k * n / bench_ms(lambda: a @ b, rep_ms=300)["median_ms"] / 1e9
 
 
 def attention_configs(max_len: int, quick: bool, head_dim: int = HEAD_DIM, **prune_args) -> list[KernelConfig]:
@@ -231,11 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 attention rows, fewer configs")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels.json)")
+    parser.add_argument("--results", help="folder of the JSONL file (default benchmarks/results)")
     args = parser.parse_args(argv)
     require_cuda("benchmarks/kernels.py")
-    env = environment()
-    header("ragged kernels vs PyTorch peers", env)
+    header("ragged kernels vs PyTorch peers")
     peak = matmul_peak_tflops()
     print(f"measured fp16 matmul peak (8192^3, random data): {peak:.0f} TFLOP/s", flush=True)
 
@@ -302,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if linear:
         print(f"linear: ours/cuBLAS min {min(r['ours_vs_cublas'] for r in linear):.2f}, "
               f"geomean {np.exp(np.mean([np.log(r['ours_vs_cublas']) for r in linear])):.2f}")  # fmt: skip
-    payload = {"env": env, "peak_tflops": peak, "attention": attn, "variants": variants, "linear": linear}
-    path = write_json("kernels.json", payload, args.out)
-    print(f"wrote {path}")
+    rows = [{"section": name, **r} for name, rs in (("attention", attn), ("variants", variants), ("linear", linear))
+            for r in rs]  # fmt: skip
+    record("kernels", args, rows, peak_tflops=peak)
     return 0
 
 
