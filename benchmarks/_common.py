@@ -204,6 +204,14 @@ def arms_ran(model, n: int) -> dict[str, int]:
     return dict(Counter(d.arm for d in autoragged.recent_decisions(model, n)))
 
 
+def reasons_of(model, n: int) -> dict[str, int]:
+    """How often each reason (its first 80 characters, arm first) came in the last `n` decisions of a wrapped
+    model: what the JSONL line keeps to say why a row ran as it did."""
+    import autoragged
+
+    return dict(Counter(f"{d.arm}: {d.reason[:80]}" for d in autoragged.recent_decisions(model, n)))
+
+
 def geomean(values) -> float | None:
     values = [v for v in values if v]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None

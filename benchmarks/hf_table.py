@@ -55,6 +55,7 @@ from benchmarks._common import (  # noqa: E402
     geomean,
     header,
     parser,
+    reasons_of,
     record,
     row_batches,
     serve_row,
@@ -136,6 +137,7 @@ def bench_model(name: str, args, device) -> tuple[list[dict], dict]:
                 row.update(served_cells(col, served))
                 if col in ("auto", "warm"):
                     row[f"{col}_arms"] = arms_ran(model, 2 * TIMED)
+                    row[f"{col}_reasons"] = reasons_of(model, 2 * TIMED)
             rows.append(ratios(row))
             print(f"  {name} {dataset:8s} B={batch:3d} " + " ".join(f"{c}={row[c]:.3f}" for c in CELLS if c in row),
                   flush=True)  # fmt: skip

@@ -48,6 +48,7 @@ from benchmarks._common import (  # noqa: E402
     geomean,
     header,
     parser,
+    reasons_of,
     record,
     row_batches,
     serve_row,
@@ -97,6 +98,7 @@ def bench_model(name: str, args, device) -> list[dict]:
                 if col in wrapped:
                     row[f"{col}2"] = served["second"]
                     row[f"{col}_arms"] = arms_ran(wrapped[col], 2 * len(timed))
+                    row[f"{col}_reasons"] = reasons_of(wrapped[col], 2 * len(timed))
             row["auto_over_best_forced"] = row["auto"] / min(row["ragged"], row["auto_lengths"])
             row["best_pytorch_over_auto"] = min(row["fast"], row["compile"]) / row["auto"]
             rows.append(row)
