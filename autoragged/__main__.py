@@ -14,8 +14,8 @@ def _ragged_arm(device) -> str:
     default config on torch.nn.functional.linear (cuBLAS on a GPU)."""
     import torch
 
-    from ._backend import use_triton
     from .kernels._triton import HAS_TRITON
+    from .ragged.backend import use_triton
 
     if device.type == "cuda":
         return "Triton kernels (compiled), linears on cuBLAS (Triton ones in the graph fed the mask)"

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._buckets import cublas_rows, mask_width
-from ._layout import Layout
-from ._planner import default_ragged_config
 from .graphs.worker import worker
 from .kernels._ahead import drain as drain_ahead
+from .planning.buckets import cublas_rows, mask_width
+from .planning.planner import default_ragged_config
+from .ragged.layout import Layout
 from .runtime.policy import MIN_SAMPLES
 from .workloads import CORA, CORA_BATCH_SIZES, sample_cora
 
@@ -316,13 +316,13 @@ def _rungs(top: int) -> list[int]:
 def _calibrated(runtime) -> list[list[int]]:
     """One batch per distinct (batch, max_len, total) the tuner measured on this device: for this module's
     signature, else for any; lengths with those statistics (one row at max_len, the rest even)."""
-    from ._device import device_key
+    from .planning.device import device_key
     from .tuning_db import DatabaseError
 
     path = runtime.db_path
     if path is None or not path.exists():
         raise ValueError("warmup('calibration') needs the module's tuning database (wrap(db=...)); it has none")
-    from ._recorder import RECORDER
+    from .runtime.recorder import RECORDER
 
     key = device_key(runtime._param().device).key
     try:

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._encoder import EncoderLayerSpec, encoder_values, linear_config
-from ._layout import Layout
-from ._ragged import RaggedTensor, _zero_gaps
 from .kernels._config import KernelConfig
 from .kernels.ragged_attention import HEAD_DIMS
+from .models.encoder import EncoderLayerSpec, encoder_values, linear_config
 from .ops import attention_values, linear_values
+from .ragged.layout import Layout
+from .ragged.tensor import RaggedTensor, _zero_gaps
 
 __all__ = [
     "RaggedMultiheadAttention",

@@ -16,9 +16,6 @@ import math
 import torch
 
 from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
-from ._backend import use_triton
-from ._layout import Layout
-from ._ragged import RaggedTensor, _zero_gaps
 from .kernels import gated_act as k_act
 from .kernels import ragged_add_layer_norm as k_ln
 from .kernels import ragged_attention as k_attn
@@ -27,6 +24,9 @@ from .kernels import ragged_linear as k_lin
 from .kernels import rms_norm as k_rms
 from .kernels import rotary as k_rope
 from .kernels._config import KernelConfig
+from .ragged.backend import use_triton
+from .ragged.layout import Layout
+from .ragged.tensor import RaggedTensor, _zero_gaps
 
 __all__ = [
     "ragged_attention",

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler, default_collate
 
-from ._layout import as_lengths, check_align
-from ._ragged import RaggedTensor
+from .ragged.layout import as_lengths, check_align
+from .ragged.tensor import RaggedTensor
 
 __all__ = [
     "ffd_pack",
@@ -504,4 +504,4 @@ def length_sorted_batches(lengths: Sequence[int] | np.ndarray | torch.Tensor, ba
     return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
 
 
-from ._job import run_job, token_budget  # noqa: E402  (the job uses the packing above)
+from .job import run_job, token_budget  # noqa: E402  (the job uses the packing above)

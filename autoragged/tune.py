@@ -149,7 +149,7 @@ def _user_encoders(spec: str, device):
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"--model {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
-    from ._dispatch import _targets
+    from .wrapper import _targets
 
     encoders = [m for _, m in _targets(model)[0] if not isinstance(m, torch.nn.TransformerEncoderLayer)]
     if not encoders:
@@ -160,7 +160,7 @@ def _user_encoders(spec: str, device):
 def _hf_model(name: str, device):
     import torch
 
-    from ._measure import build_hf
+    from .measure import build_hf
 
     try:
         return build_hf(name, device, torch.float16 if device.type == "cuda" else torch.float32)
@@ -201,11 +201,11 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
     import torch
 
-    from ._buckets import LADDER_VERSION, mask_width
-    from ._costmodel import PADDED, Arm
-    from ._measure import time_close_calls
-    from ._planner import default_ragged_config, graph_config
     from .kernels import ragged_attention as k_attn
+    from .measure import time_close_calls
+    from .planning.buckets import LADDER_VERSION, mask_width
+    from .planning.costmodel import PADDED, Arm
+    from .planning.planner import default_ragged_config, graph_config
     from .tuning_db import BatchStats, Measurement
     from .workloads import sample
 
@@ -323,7 +323,7 @@ def _time_to_measure(total_s: float, setup_s: float, elapsed_s: float, rows: int
 def _time_to_overrun(total_s: float, setup_s: float, elapsed_s: float, rows: int, slowest_s: float) -> bool:
     """Past the budget: whether another batch is worth measuring, because the fit has fewer than MIN_ROWS
     measurements, and fits with the fit before the hard cap (_HARD_CAP times the budget)."""
-    from ._model import MIN_ROWS
+    from .planning.learned import MIN_ROWS
 
     used_s = setup_s + elapsed_s + slowest_s + _fit_seconds(rows)
     return rows < MIN_ROWS and used_s <= _HARD_CAP * total_s
@@ -334,7 +334,7 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
     import torch
     from tqdm import tqdm
 
-    from ._measure import ArmRunner, build_encoder
+    from .measure import ArmRunner, build_encoder
 
     on_gpu = device.type == "cuda"
     if args.model:
@@ -425,8 +425,8 @@ def _fit_and_store(db, key, refit: bool, max_batches: int | None = None) -> int:
     (a slow or busy machine, or `max_batches`, the --max-batches that stopped the measuring), one line saying the
     runtime keeps the analytic prior, and success (0). A fit that loses to the prior held out is stored, marked as
     not adopted (the runtime then keeps the prior), and the printout says so in one line."""
-    from ._costmodel import FEATURE_VERSION
-    from ._model import KIND, MIN_ROWS, TooFewMeasurements, beats_prior, fit_cost_model
+    from .planning.costmodel import FEATURE_VERSION
+    from .planning.learned import KIND, MIN_ROWS, TooFewMeasurements, beats_prior, fit_cost_model
 
     rows = db.measurements(device=key.key)
     if not rows and refit:
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, db, device, started: float) -> int:
-    from ._device import device_key
+    from .planning.device import device_key
 
     key = device_key(device)
     db.register_device(key)

@@ -45,7 +45,8 @@ BACKENDS = [(d, b) for d in DEVICES for b in ("triton", "reference") if b == "re
 def backend(request, monkeypatch):
     """One conformance suite, several backends: the Triton kernels (compiled on CUDA, interpreted on CPU)
     and the PyTorch reference path. Returns the device; the reference path is forced by monkeypatching."""
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     device, impl = request.param
     if impl == "reference":

@@ -155,7 +155,7 @@ def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
     from autoragged.kernels.graph_layout import meta_size
     from triton import knobs
 
-    from autoragged._layout import Layout
+    from autoragged.ragged.layout import Layout
 
     on_caller: list[str] = []
     caller = threading.current_thread()

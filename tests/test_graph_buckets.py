@@ -12,8 +12,8 @@ from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoragged._buckets import ladder, mask_width, padded_bucket, ragged_bucket
-from autoragged._layout import Layout
+from autoragged.planning.buckets import ladder, mask_width, padded_bucket, ragged_bucket
+from autoragged.ragged.layout import Layout
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
 

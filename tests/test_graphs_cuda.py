@@ -11,11 +11,11 @@ if not torch.cuda.is_available():
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged._buckets import mask_width  # noqa: E402
-from autoragged._costmodel import Arm  # noqa: E402
-from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
-from autoragged.adapters.torch_encoder import _BASE, TorchCall  # noqa: E402
 from autoragged.graphs.worker import worker  # noqa: E402
+from autoragged.models.torch_encoder import _BASE, TorchCall  # noqa: E402
+from autoragged.planning.buckets import mask_width  # noqa: E402
+from autoragged.planning.costmodel import Arm  # noqa: E402
+from autoragged.planning.planner import default_ragged_config, graph_config  # noqa: E402
 
 D, H = 256, 4
 

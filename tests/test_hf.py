@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from _tolerance import assert_within_torch_error  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged import _ragged, ops  # noqa: E402
+from autoragged import ops  # noqa: E402
+from autoragged.ragged import tensor as _ragged  # noqa: E402
 
 COMMON = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
               pad_token_id=1)  # fmt: skip
@@ -148,10 +149,10 @@ def test_the_triton_kernels_in_the_interpreter(family):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypatch):
-    """On the GPU the eager arm with cuBLAS linears runs a rung of rows (`autoragged._buckets.cublas_rows`),
+    """On the GPU the eager arm with cuBLAS linears runs a rung of rows (`autoragged.planning.buckets.cublas_rows`),
     the rows past the tokens in no sequence; forced here on the CPU. Outputs, hidden states and the pooler
     are the original's, and one sequence's tokens still leave the others' outputs bit-identical."""
-    from autoragged._buckets import cublas_rows
+    from autoragged.planning.buckets import cublas_rows
     from autoragged.runtime import core
 
     if kernels == "reference":
@@ -467,8 +468,8 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     pads it reports the mask's, and the all-pad row NaN (the original computes it; the graph cannot)."""
     from autoragged.kernels import graph_layout
 
-    from autoragged._planner import graph_config
     from autoragged.graphs.capture import _StaticLayout, mask_pass
+    from autoragged.planning.planner import graph_config
 
     model = autoragged.wrap(model_of(family), db=False, policy="ragged")
     body = model._autoragged.ready(model).body
@@ -524,7 +525,7 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
     """The ragged graph fed a mask runs the embeddings itself from static token ids (`Call.graph_inputs`) when
     the call gives input_ids (and token types) and nothing it would have to derive differently: no
     position_ids, no inputs_embeds. ModernBERT's layers are not fused: it has no mask graph at all."""
-    from autoragged.adapters.hf_encoder import HFEncoderCall
+    from autoragged.models.hf_encoder import HFEncoderCall
 
     def inputs(family, **extra):
         model = autoragged.wrap(model_of(family), db=False)

@@ -16,10 +16,10 @@ from _tolerance import assert_within_torch_error  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged._costmodel import Arm  # noqa: E402
-from autoragged._measure import ArmRunner  # noqa: E402
-from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
-from autoragged.adapters import _sentence  # noqa: E402
+from autoragged.measure import ArmRunner  # noqa: E402
+from autoragged.models import sentence as _sentence  # noqa: E402
+from autoragged.planning.costmodel import Arm  # noqa: E402
+from autoragged.planning.planner import default_ragged_config, graph_config  # noqa: E402
 from autoragged.workloads import hf_config  # noqa: E402
 
 LENGTHS = (100, 7, 63, 1, 128, 30)

@@ -20,8 +20,9 @@ transformers = pytest.importorskip("transformers")
 from _tolerance import assert_within_torch_error  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged import RaggedTensor, _ragged, ops  # noqa: E402
+from autoragged import RaggedTensor, ops  # noqa: E402
 from autoragged.packing import run_job, token_budget  # noqa: E402
+from autoragged.ragged import tensor as _ragged  # noqa: E402
 
 COMMON = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               intermediate_size=128, pad_token_id=0, max_position_embeddings=64)  # fmt: skip
@@ -171,7 +172,8 @@ def test_the_fused_layers_in_the_interpreter(family, dtype, monkeypatch):
     """Our layer kernels (Triton's interpreter) on Qwen2 (GQA, a sliding layer that bites, biases) in bf16 and
     Qwen3 (q/k norms): logits, every hidden state and the KV cache equal the original's on real tokens; the
     module path (FUSED_LAYERS off) gives the same within the same error."""
-    from autoragged.adapters import _fused_decoder, hf_decoder
+    from autoragged.models import fused_decoder as _fused_decoder
+    from autoragged.models import hf_decoder
 
     runs = []
     real_run = _fused_decoder.run

@@ -16,11 +16,11 @@ from _tolerance import assert_within_torch_error  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged._costmodel import Arm  # noqa: E402
-from autoragged._job import _run_bin, _Staged, _wrapped_decoder  # noqa: E402
-from autoragged._measure import ArmRunner  # noqa: E402
-from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
+from autoragged.job import _run_bin, _Staged, _wrapped_decoder  # noqa: E402
+from autoragged.measure import ArmRunner  # noqa: E402
 from autoragged.packing import run_job  # noqa: E402
+from autoragged.planning.costmodel import Arm  # noqa: E402
+from autoragged.planning.planner import default_ragged_config, graph_config  # noqa: E402
 from autoragged.workloads import llm_config  # noqa: E402
 
 LENGTHS = (100, 7, 63, 1, 128, 30)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf import batch, check_close, last, model_of, use_reference  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged.adapters.hf_encoder import FAMILIES  # noqa: E402
+from autoragged.models.hf_encoder import FAMILIES  # noqa: E402
 
 
 def triples(model):

@@ -20,14 +20,15 @@ from autoragged.tuning_db import BatchStats, Decision, Measurement, TuningDB
 from torch import nn
 
 import autoragged
-from autoragged import _payload, _recorder
-from autoragged._buckets import mask_width
-from autoragged._costmodel import FEATURE_VERSION, PADDED, AnalyticPrior, Arm
-from autoragged._device import device_key
-from autoragged._learned import load_planner_inputs
-from autoragged._model import KIND, CompiledModel, Forest
-from autoragged._planner import Planner, default_ragged_config, graph_config
-from autoragged.adapters.torch_encoder import signature_of
+from autoragged.models.torch_encoder import signature_of
+from autoragged.planning import payload as _payload
+from autoragged.planning.buckets import mask_width
+from autoragged.planning.costmodel import FEATURE_VERSION, PADDED, AnalyticPrior, Arm
+from autoragged.planning.device import device_key
+from autoragged.planning.learned import KIND, CompiledModel, Forest
+from autoragged.planning.load import load_planner_inputs
+from autoragged.planning.planner import Planner, default_ragged_config, graph_config
+from autoragged.runtime import recorder as _recorder
 from autoragged.runtime.policy import MIN_SAMPLES
 
 CPU = device_key("cpu")
@@ -38,7 +39,8 @@ CFG = default_ragged_config(32, 64).to_dict()
 def _fast_cpu(monkeypatch):
     """The CPU reference path (the Triton interpreter is far too slow for these forwards), on one thread: these
     tiny forwards took 450 ms instead of 30 ms on two threads while other processes kept the cores busy."""
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     monkeypatch.setattr(ops, "use_triton", lambda t: False)
     monkeypatch.setattr(_ragged, "use_triton", lambda t: False)

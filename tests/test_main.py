@@ -26,7 +26,7 @@ def _python(args: list[str], interpret: str) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU lines: on a GPU the Triton kernels always run compiled")
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_ragged_arm_line_names_the_backend_ops_uses(interpret):
-    check = "import torch; from autoragged._backend import use_triton; print(use_triton(torch.empty(0)))"
+    check = "import torch; from autoragged.ragged.backend import use_triton; print(use_triton(torch.empty(0)))"
     triton = _python(["-c", check], interpret).strip() == "True"
     assert triton == (interpret == "1")  # on CPU, the interpreter only where asked for before the import
     line = next(x for x in _python(["-m", "autoragged"], interpret).splitlines() if x.startswith("ragged arm runs"))

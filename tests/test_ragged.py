@@ -56,8 +56,8 @@ def test_round_trip_identity(backend, align, lengths, dtype):
 def test_spare_rows_follow_the_components_as_zeros(backend, lengths):
     """`_from_padded(rows=)`, the eager arm's cuBLAS rung (`cublas_rows`): the components keep their packed
     offsets, the rows past them are zeros in no component, and unpacking gives the tokens back."""
-    from autoragged._buckets import cublas_rows
-    from autoragged._ragged import _from_padded
+    from autoragged.planning.buckets import cublas_rows
+    from autoragged.ragged.tensor import _from_padded
 
     x = _padded(lengths, (4,), torch.float32, backend)
     rows = cublas_rows(sum(lengths))
@@ -143,7 +143,7 @@ def test_from_mask_matches_from_padded(backend):
 def test_mask_lengths_counts_and_finds_the_first_row_that_is_not_right_padded(B, data, width, as_int):
     """The runtime's mask read (one weighted sum per row): each row's real tokens, and the first row whose real
     tokens are not a prefix, for any pattern, long rows included (exact integer sums)."""
-    from autoragged._ragged import mask_lengths
+    from autoragged.ragged.tensor import mask_lengths
 
     kinds = data.draw(st.lists(st.sampled_from(["prefix", "random", "left"]), min_size=B, max_size=B))
     pad = torch.ones(B, width, dtype=torch.bool)

@@ -40,7 +40,8 @@ def test_cli_commands_in_the_readme_parse(module, parser):
 
 def test_the_first_example_runs_and_pads_with_zeros(monkeypatch):
     """On CPU, with the reference ops (the interpreter is for kernel tests: far too slow for 6 layers)."""
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     monkeypatch.setattr(ops, "use_triton", lambda t: False)
     monkeypatch.setattr(_ragged, "use_triton", lambda t: False)

@@ -22,7 +22,7 @@ from torch import nn
 
 import autoragged
 from autoragged import report
-from autoragged._costmodel import FEATURE_VERSION
+from autoragged.planning.costmodel import FEATURE_VERSION
 
 H100 = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.6.0", "3.2.0")
 CORA = "encoder:6x512/8h/ff2048:relu:post:float16:nested"
@@ -122,7 +122,8 @@ def filled(tmp_path_factory):
     """One database with hand-made H100 measurements (rows 1-8), a real CPU run, hand-made H100 decisions and two
     cost models. Returns (path, the CPU device key, the hand-made expectations and "cpu_timed": the CPU run's
     timed batches, which the host clock decides). Tests copy it before writing."""
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     path = tmp_path_factory.mktemp("report") / "tuning.sqlite"
     now = time.time()
@@ -425,7 +426,7 @@ def test_identical_batches_are_one_point_sized_by_their_count():
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from autoragged import _report_plots
+    from autoragged.report import plots as _report_plots
 
     same = [Decision(1.0 + i, H100.key, CORA, S1, "padded", None, {"padded": 2.0}, "x", 3.0) for i in range(22)]
     other = [Decision(1.0, H100.key, CORA, S2, "padded", None, {"padded": 1.0}, "x", 1.5)]
@@ -448,7 +449,7 @@ def test_latency_medians_show_their_spread():
     from matplotlib.container import ErrorbarContainer
     from matplotlib.figure import Figure
 
-    from autoragged import _report_plots
+    from autoragged.report import plots as _report_plots
 
     ms = {8: [2.0, 3.0, 180.0], 9: [4.0], 16: [5.0, 6.0, 7.0]}  # 8 and 9: one range, drawn at their median size
     points = {CORA: [(b, v, "padded", "tune") for b, vs in ms.items() for v in vs]}
@@ -708,7 +709,7 @@ def _numbers(module) -> dict:
 
 
 def test_the_numbers_are_the_same_once_decisions_are_added_up(filled, tmp_path, capsys):
-    from autoragged._rollup import rollup
+    from autoragged.report.rollup import rollup
 
     path = _copy(filled[0], tmp_path)
     windows = (None, "7d", "5m")
@@ -732,7 +733,8 @@ def test_the_numbers_are_the_same_once_decisions_are_added_up(filled, tmp_path, 
 
 
 def test_a_wrapped_model_keeps_the_newest_decisions_and_reports_all(tmp_path, monkeypatch):
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     monkeypatch.setattr(ops, "use_triton", lambda t: False)
     monkeypatch.setattr(_ragged, "use_triton", lambda t: False)

@@ -10,7 +10,7 @@ from _fakes import Fixed
 from test_wrap import LENGTHS, batch, make_encoder, pads, real_tokens
 
 import autoragged
-from autoragged._planner import Planner
+from autoragged.planning.planner import Planner
 from autoragged.runtime import core
 from autoragged.runtime.policy import MIN_SAMPLES, ShapeKey
 

@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
 import autoragged  # noqa: E402
-from autoragged import _ragged, ops  # noqa: E402
-from autoragged.adapters import _sentence  # noqa: E402
+from autoragged import ops  # noqa: E402
+from autoragged.models import sentence as _sentence  # noqa: E402
+from autoragged.ragged import tensor as _ragged  # noqa: E402
 from autoragged.runtime import core  # noqa: E402
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(95)]
@@ -170,7 +171,7 @@ def test_other_tokenizer_calls_use_sentence_transformers_own_path(tmp_path, monk
 def test_host_lengths_of_cpu_masks():
     right = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     assert _sentence.mask_lengths_on_host(right) == (2, 3, 0)
-    assert isinstance(_sentence.mask_lengths_on_host(right.bool()), autoragged._layout.HostLengths)
+    assert isinstance(_sentence.mask_lengths_on_host(right.bool()), autoragged.ragged.layout.HostLengths)
     assert _sentence.mask_lengths_on_host(torch.tensor([[0, 1, 1], [1, 1, 1]])) is None  # left padding
     assert _sentence.mask_lengths_on_host(torch.tensor([[1, 0, 1]])) is None  # a hole
     assert _sentence.mask_lengths_on_host(torch.ones(2, 3, 1)) is None
@@ -179,7 +180,7 @@ def test_host_lengths_of_cpu_masks():
 
 def test_hinted_lengths_are_taken_once_and_only_for_the_same_shape():
     mask = torch.ones(2, 5, dtype=torch.long)
-    token = _sentence._HINT.set(((2, 5), autoragged._layout.HostLengths((5, 3))))
+    token = _sentence._HINT.set(((2, 5), autoragged.ragged.layout.HostLengths((5, 3))))
     try:
         assert _sentence.hinted_lengths(torch.ones(2, 6)) is None
         assert _sentence.hinted_lengths(mask) == (5, 3)

@@ -11,12 +11,13 @@ from autoragged.kernels._config import KernelConfig
 from autoragged.tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
 
 import autoragged
-from autoragged import _model, tune
-from autoragged._buckets import LADDER_VERSION
-from autoragged._costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm
-from autoragged._device import device_key
-from autoragged._planner import default_ragged_config
-from autoragged.adapters.torch_encoder import signature_of
+from autoragged import tune
+from autoragged.models.torch_encoder import signature_of
+from autoragged.planning import learned as _model
+from autoragged.planning.buckets import LADDER_VERSION
+from autoragged.planning.costmodel import FEATURE_NAMES, FEATURE_VERSION, PADDED, AnalyticPrior, Arm
+from autoragged.planning.device import device_key
+from autoragged.planning.planner import default_ragged_config
 
 
 def test_compiled_trees_reproduce_sklearn_exactly():
@@ -136,7 +137,8 @@ def test_evaluate_choices_on_a_hand_made_case():
 @pytest.fixture(autouse=True, scope="module")
 def _reference_ops():
     """The tuner's tests time the CPU reference path (the interpreter is for kernel tests: far too slow)."""
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "use_triton", lambda t: False)
@@ -273,7 +275,8 @@ def test_user_model_factory(tmp_path, monkeypatch):
 
 def test_an_hf_config_is_calibrated_and_its_wrapped_model_uses_the_fit(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     monkeypatch.setattr(ops, "use_triton", lambda t: False)  # the interpreter is too slow for a calibration
     monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
@@ -295,7 +298,8 @@ def test_a_decoder_config_is_calibrated_and_its_wrapped_model_uses_the_fit(tmp_p
     """A decoder LLM's config.json (Qwen2, grouped-query heads): measured as a causal HF body, its signature
     names the family, and the wrapped model's decisions come from the fit."""
     transformers = pytest.importorskip("transformers")
-    from autoragged import _ragged, ops
+    from autoragged import ops
+    from autoragged.ragged import tensor as _ragged
 
     monkeypatch.setattr(ops, "use_triton", lambda t: False)  # the interpreter is too slow for a calibration
     monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
@@ -450,8 +454,8 @@ def _small_sig() -> ModuleSignature:
 def test_default_ragged_arm_is_what_the_planner_offers_untuned():
     """Untuned, the eager arm is the default config for the batch's max_len and the graph arm the Triton graph of
     the shape's width; the prior predicts all three."""
-    from autoragged._buckets import mask_width
-    from autoragged._planner import Planner, graph_config
+    from autoragged.planning.buckets import mask_width
+    from autoragged.planning.planner import Planner, graph_config
 
     sig, prior = _small_sig(), _model.AnalyticPrior(device_key("cpu"))
     stats = BatchStats.from_lengths((30, 4))
@@ -467,7 +471,7 @@ def test_default_ragged_arm_is_what_the_planner_offers_untuned():
 def test_the_eager_arm_is_the_best_of_the_shortlist_and_the_graph_is_predicted_apart():
     """A shortlist of eager configs: the planner offers the one predicted fastest; the graph arm, predicted faster
     than all of them, is its own kind and never stands in for the eager arm."""
-    from autoragged._planner import Planner, graph_config
+    from autoragged.planning.planner import Planner, graph_config
 
     slow, fast = default_ragged_config(32, 30), default_ragged_config(32, 30).replace(block_m=32, block_n=32)
     graph = Arm("ragged_graph", graph_config(32, 64))
@@ -513,7 +517,7 @@ def test_every_measured_arm_is_chosen_from_and_regret_counts_against_the_best():
 
 # -- timing near ties ----------------------------------------------------------------------------
 def test_close_to_best_keeps_the_arms_the_timings_cannot_separate():
-    from autoragged._measure import Timing, close_to_best
+    from autoragged.measure import Timing, close_to_best
 
     timings = [
         Timing.of([1.00, 1.01, 1.00, 0.99, 1.00]),  # the fastest (p90 1.01)
@@ -529,7 +533,7 @@ def test_close_to_best_keeps_the_arms_the_timings_cannot_separate():
 def test_close_calls_get_more_repetitions_pooled_with_the_first(monkeypatch):
     """Arms the first round cannot tell apart are timed again (interleaved, `extra_reps` each) and their
     samples pooled; an arm clearly slower keeps its first round; the extra time is capped."""
-    from autoragged import _measure
+    from autoragged import measure as _measure
 
     clock = {"a": iter([1.0, 1.3, 1.0, 1.0] * 10), "b": iter([1.1, 0.95, 1.1] * 20), "c": iter([2.0] * 20)}
     order = []
@@ -554,7 +558,7 @@ def test_close_calls_get_more_repetitions_pooled_with_the_first(monkeypatch):
 def test_screen_keeps_far_arms_at_their_first_timings(monkeypatch):
     """With screen_reps, every arm gets that many calls after one warm-up; an arm over `far` x the fastest's
     median stops there, the rest go on to `reps` (and the close ones to their extra calls)."""
-    from autoragged import _measure
+    from autoragged import measure as _measure
 
     clock = {"a": iter([1.0, 1.02, 0.98] * 20), "b": iter([1.4, 1.45, 1.42] * 20), "c": iter([1.6, 1.55, 1.7] * 20)}
     calls = {"a": 0, "b": 0, "c": 0}
@@ -638,9 +642,9 @@ def test_prior_graph_cost_grows_with_depth():
     cuBLAS ragged one are priced for the measurements older versions stored, the padded one above the other."""
     from autoragged.tuning_db.records import DeviceKey
 
-    from autoragged._buckets import mask_width
-    from autoragged._costmodel import PADDED_GRAPH
-    from autoragged._planner import graph_config
+    from autoragged.planning.buckets import mask_width
+    from autoragged.planning.costmodel import PADDED_GRAPH
+    from autoragged.planning.planner import graph_config
 
     prior = AnalyticPrior(DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, 81559, "550.54", "2.11.0", "3.6.0"))
     stats = BatchStats.from_lengths((3, 5))

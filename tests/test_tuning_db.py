@@ -944,10 +944,10 @@ def test_tuning_db_opens_a_file_optuna_created_first(tmp_path):
 def test_importing_tuning_db_pulls_in_no_torch_numpy_or_runtime():
     probe = (
         "import sys, autoragged.tuning_db as tuning_db\n"
-        "heavy = ('torch', 'numpy', 'sqlite_utils', 'autoragged._dispatch', 'autoragged.kernels')\n"
+        "heavy = ('torch', 'numpy', 'sqlite_utils', 'autoragged.wrapper', 'autoragged.kernels')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "tuning_db.TuningDB.open(sys.argv[1]).close()\n"
-        "print(sorted(m for m in ('torch', 'autoragged._dispatch', 'autoragged.kernels', 'optuna') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'autoragged.wrapper', 'autoragged.kernels', 'optuna') if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe, os.environ["AUTORAGGED_DB"]],

@@ -338,7 +338,7 @@ def test_deferred_stats_wait_on_the_pinned_slot_not_on_a_cuda_call():
     by an event sync: a CUDA call from another thread invalidates any graph capture in global mode."""
     import threading
 
-    from autoragged._costmodel import PADDED
+    from autoragged.planning.costmodel import PADDED
     from autoragged.runtime.records import Record
 
     class NoSync:

@@ -1,2 +1,3 @@
-"""The runtime every model family shares: per batch lengths -> stats -> plan -> arm -> record
-(core.py), the CUDA-graph arms (capture.py) and their cache (graphs.py), the decision records (records.py)."""
+"""The runtime every model family shares: per batch lengths -> stats -> choice -> arm -> record (core.py), the
+policy that chooses (policy.py), the decision records and timers (records.py), the recorder that writes them to the
+tuning database (recorder.py), and the registration counter that tells a structure change (epoch.py)."""

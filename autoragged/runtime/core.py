@@ -28,20 +28,20 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .._buckets import LADDER_VERSION, cublas_rows, mask_width
-from .._costmodel import PADDED, AnalyticPrior, Arm
-from .._device import device_key
-from .._epoch import param_epoch
-from .._layout import HostLengths, Layout, as_lengths
-from .._planner import Planner, default_ragged_config, graph_config
-from .._ragged import RaggedTensor, _from_padded, _to_padded, mask_lengths
-from .._recorder import RECORDER
 from ..graphs.cache import GraphCache
 from ..graphs.capture import GraphKey, RaggedGraph
 from ..kernels._config import KernelConfig
+from ..planning.buckets import LADDER_VERSION, cublas_rows, mask_width
+from ..planning.costmodel import PADDED, AnalyticPrior, Arm
+from ..planning.device import device_key
+from ..planning.planner import Planner, default_ragged_config, graph_config
+from ..ragged.layout import HostLengths, Layout, as_lengths
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_lengths
 from ..tuning_db import BatchStats, Measurement
 from . import policy
+from .epoch import param_epoch
 from .policy import Scales, ShapeKey, ShapeState
+from .recorder import RECORDER
 from .records import PadsRing, Record, Timers, quiet_mark
 
 __all__ = ["Runtime", "Options", "POLICIES", "pad_mask", "CAPTURING", "NO_GRAPH"]
@@ -511,7 +511,7 @@ class Runtime:
     def _planner(self, device: torch.device) -> Planner:
         planner = self.planners.get(device)
         if planner is None:
-            from .._learned import load_planner_inputs
+            from ..planning.load import load_planner_inputs
 
             key = device_key(device)
             learned = load_planner_inputs(self.db_path, key, self.sig)

@@ -5,7 +5,7 @@
 A stream of new batches brings a new token count every batch. For each linear shape of bert-base and the CoRa
 encoder (fp16), the host time of one `F.linear` (and of the fused relu epilogue the eager arm uses,
 `torch._addmm_activation`) on 40 row counts drawn from 300-16,000: the first call on each count, the same
-counts again, and the counts rounded to the eager arm's rungs (`autoragged._buckets.cublas_rows`) once each
+counts again, and the counts rounded to the eager arm's rungs (`autoragged.planning.buckets.cublas_rows`) once each
 rung has been seen. Each call is timed alone between synchronisations (host time to return). Prints a table.
 """
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from autoragged._buckets import cublas_rows  # noqa: E402
+from autoragged.planning.buckets import cublas_rows  # noqa: E402
 from benchmarks._common import header, require_cuda, table  # noqa: E402
 
 SHAPES = {  # (N, K): bert-base qkv, out, ff1, ff2; CoRa encoder out, ff1, ff2

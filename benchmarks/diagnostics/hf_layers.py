@@ -7,7 +7,7 @@ tokens' roofline.
 
 Per arm: the call's median wall time over --reps synchronised calls, and one torch.profiler pass summing CUDA
 kernel time into kinds (gemm, attention, layernorm, activation, elementwise, copy/pack, other). The arms are
-forced through the runtime's own execute path (`autoragged._measure.ArmRunner`). The roofline is the real
+forced through the runtime's own execute path (`autoragged.measure.ArmRunner`). The roofline is the real
 tokens' linear and attention FLOPs at the rate of one large cuBLAS fp16 product measured in the same process.
 Prints a table.
 """
@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
-from autoragged._buckets import mask_width  # noqa: E402
-from autoragged._costmodel import Arm  # noqa: E402
-from autoragged._measure import ArmRunner  # noqa: E402
-from autoragged._planner import default_ragged_config, graph_config  # noqa: E402
+from autoragged.measure import ArmRunner  # noqa: E402
+from autoragged.planning.buckets import mask_width  # noqa: E402
+from autoragged.planning.costmodel import Arm  # noqa: E402
+from autoragged.planning.planner import default_ragged_config, graph_config  # noqa: E402
 from autoragged.workloads import sample_cora  # noqa: E402
 from benchmarks._common import header, require_cuda, table  # noqa: E402
 from benchmarks.hf_table import SHAPES, build, token_batch  # noqa: E402

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged.adapters import hf_decoder  # noqa: E402
+from autoragged.models import hf_decoder  # noqa: E402
 from autoragged.packing import run_job  # noqa: E402
 from autoragged.workloads import sample_documents  # noqa: E402
 from benchmarks._common import header, require_cuda, table  # noqa: E402

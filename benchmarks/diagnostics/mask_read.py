@@ -4,7 +4,7 @@
 
 Latency, as in a synchronised call: the GPU is idle before each read. Each variant runs --reps times after a
 synchronisation; the median host microseconds are printed.
-The runtime's read (`autoragged._ragged.mask_lengths`) returns the lengths and whether each row is
+The runtime's read (`autoragged.ragged.tensor.mask_lengths`) returns the lengths and whether each row is
 right-padded; the bare sums below return the counts alone, for scale.
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from autoragged._ragged import mask_lengths  # noqa: E402
+from autoragged.ragged.tensor import mask_lengths  # noqa: E402
 from autoragged.workloads import sample_cora  # noqa: E402
 from benchmarks._common import header, require_cuda  # noqa: E402
 from benchmarks.hf_table import token_batch  # noqa: E402

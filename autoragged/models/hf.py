@@ -34,8 +34,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import attention_values
-from ._sentence import hinted_lengths
 from .base import Body, Call, EpochCache
+from .sentence import hinted_lengths
 
 __all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked", "current_call",
            "positions", "is_base", "HFBody"]  # fmt: skip
@@ -328,7 +328,7 @@ class HFCall(Call):
     @contextlib.contextmanager
     def scope(self):
         """This call as `current_call()` inside the block (the wrapped forward does this; so must anything that
-        runs the runtime's arms on a call directly, e.g. `autoragged._measure.ArmRunner`)."""
+        runs the runtime's arms on a call directly, e.g. `autoragged.measure.ArmRunner`)."""
         token = _CALL.set(self)
         try:
             yield self

@@ -17,8 +17,8 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ._backend import host_to_device
-from .kernels._config import aligned
+from ..kernels._config import aligned
+from .backend import host_to_device
 
 _CACHE_SIZE = 1024
 _cache: OrderedDict[tuple[tuple[int, ...], int], Layout] = OrderedDict()

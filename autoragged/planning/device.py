@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from .tuning_db.records import DeviceKey
+from ..tuning_db.records import DeviceKey
 
 __all__ = ["device_key"]
 

@@ -37,12 +37,13 @@ from transformers import PreTrainedModel
 from transformers import modeling_outputs as outputs
 from transformers.activations import GELUActivation
 
-from .._encoder import EncoderLayerSpec, encoder_values, layer_linears
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
-from . import _hf, _sentence
-from ._qkv import FusedQKV, unfuse
+from . import hf as _hf
+from . import sentence as _sentence
 from .base import EpochCache
+from .encoder import EncoderLayerSpec, encoder_values, layer_linears
+from .qkv import FusedQKV, unfuse
 
 __all__ = ["ADAPTER", "FAMILIES"]
 

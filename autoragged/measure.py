@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._costmodel import Arm
+from .planning.costmodel import Arm
 from .tuning_db.records import BatchStats, ModuleSignature
 
 __all__ = [
@@ -165,7 +165,7 @@ class ArmRunner:
     `batch_runner` makes a random batch of either kind. A graph arm's graph is captured at its first run."""
 
     def __init__(self, model: nn.Module):
-        from ._dispatch import wrap
+        from .wrapper import wrap
 
         self.encoder = wrap(model, db=False, policy="auto", sample_every=0)
         self.module = next(m for m in self.encoder.modules() if hasattr(m, "_autoragged"))
@@ -203,7 +203,7 @@ class ArmRunner:
         return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
-        from .adapters.torch_encoder import TorchCall
+        from .models.torch_encoder import TorchCall
 
         return self.run_call(arm, TorchCall(self.runtime.body, x, None, mask, None, None), lengths, stats)
 

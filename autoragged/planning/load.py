@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ._costmodel import FEATURE_VERSION
-from ._payload import MAX_PAYLOAD_BYTES
-from .tuning_db import DeviceKey, ModuleSignature, RowError
+from ..tuning_db import DeviceKey, ModuleSignature, RowError
+from .costmodel import FEATURE_VERSION
+from .payload import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("autoragged")
 
@@ -27,7 +27,7 @@ def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSign
     that cannot be used by the recorder's, and a fit the tuner did not adopt at tune time)."""
     if db_path is None or not db_path.exists():
         return None
-    from ._recorder import RECORDER
+    from ..runtime.recorder import RECORDER
 
     db = RECORDER.usable_db(db_path)  # None: a damaged file, or a path that cannot be opened (warned once)
     if db is None:
@@ -49,7 +49,7 @@ def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSign
         log.debug("autoragged: the cost model in models row %s of %s lost to the analytic prior on held-out "
                   "batches (not adopted): deciding with the prior", record.id, db_path)  # fmt: skip
         return None
-    from ._model import CompiledModel
+    from .learned import CompiledModel
 
     try:
         model = CompiledModel.from_payload(record.payload, device=device)

@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._costmodel import PADDED, Arm
-from .kernels import ragged_attention as k_attn
-from .kernels._config import KernelConfig
-from .tuning_db.records import BatchStats, ModuleSignature
+from ..kernels import ragged_attention as k_attn
+from ..kernels._config import KernelConfig
+from ..tuning_db.records import BatchStats, ModuleSignature
+from .costmodel import PADDED, Arm
 
 __all__ = ["Predictions", "Planner", "default_ragged_config", "graph_config", "bucket_key"]
 

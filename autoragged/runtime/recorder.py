@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from .tuning_db import (
+from ..tuning_db import (
     DamagedDatabase,
     DatabaseError,
     Decision,
@@ -167,7 +167,7 @@ class Recorder:
         """Bound what the flush wrote (see the module docstring). A failure here (another writer holding the lock
         past the busy timeout, a damaged file) costs one warning per file and is retried at the next flush: the
         decisions themselves are written."""
-        from ._rollup import rollup
+        from ..report.rollup import rollup
 
         try:
             db.prune_decisions(keep, rollup, pairs=pairs)

@@ -24,9 +24,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ._planner import bucket_key
-from .kernels._config import KernelConfig
-from .tuning_db import BucketTotals, Decision, DecisionTotals, config_key
+from ..kernels._config import KernelConfig
+from ..planning.planner import bucket_key
+from ..tuning_db import BucketTotals, Decision, DecisionTotals, config_key
 
 __all__ = ["rollup", "arm_label", "reason_class", "forced", "exploring", "predicted_of", "PERIOD_S", "BUCKET_PERIOD_S"]
 

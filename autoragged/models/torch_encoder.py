@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._encoder import encoder_values, layer_linears
-from .._ragged import RaggedTensor, _from_padded, _to_padded, _zero_pads
 from ..nn import activation_kind, encoder_specs, support_error
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, _zero_pads
 from ..runtime.core import pad_mask
 from ..tuning_db import ModuleSignature
 from .base import Body, Call, EpochCache
+from .encoder import encoder_values, layer_linears
 
 __all__ = ["DispatchingTransformerEncoder", "DispatchingTransformerEncoderLayer", "signature_of", "ADAPTER"]
 

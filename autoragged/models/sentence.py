@@ -32,7 +32,7 @@ from collections.abc import MutableMapping
 import numpy as np
 import torch
 
-from .._layout import HostLengths
+from ..ragged.layout import HostLengths
 
 __all__ = ["install", "uninstall", "hinted_lengths"]
 

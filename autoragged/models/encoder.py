@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._layout import Layout
-from .kernels._config import KernelConfig
-from .ops import add_layer_norm_values, attention_values, linear_values
+from ..kernels._config import KernelConfig
+from ..ops import add_layer_norm_values, attention_values, linear_values
+from ..ragged.layout import Layout
 
 __all__ = ["EncoderLayerSpec", "encoder_values", "layer_linears", "linear_config", "FUSED_ACTIVATIONS"]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._buckets import padded_bucket, ragged_bucket
-from .kernels._config import KernelConfig
-from .tuning_db.records import BatchStats, DeviceKey, ModuleSignature
+from ..kernels._config import KernelConfig
+from ..tuning_db.records import BatchStats, DeviceKey, ModuleSignature
+from .buckets import padded_bucket, ragged_bucket
 
 __all__ = [
     "Arm",

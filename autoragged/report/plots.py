@@ -15,10 +15,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ._rollup import forced as _forced
-from ._rollup import predicted_of
-from .report import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
-from .tuning_db import KEEP_ENV_VAR, Decision
+from . import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
+from ..tuning_db import KEEP_ENV_VAR, Decision
+from .rollup import forced as _forced
+from .rollup import predicted_of
 
 __all__ = ["images"]
 

@@ -1,10 +1,15 @@
-"""Model-family adapters: each finds the modules of its family in a model and reads their calls.
+"""Model families: each file finds the modules of its family in a model, reads their calls and runs their layers
+on packed rows (an adapter: `Body` and `Call`, base.py).
 
     torch_encoder  nn.TransformerEncoder / nn.TransformerEncoderLayer
     hf_encoder     HuggingFace encoders (BERT family, ModernBERT) and the models that hold them
-                   (task heads, sentence-transformers)
+                   (task heads, sentence-transformers: sentence.py)
     hf_decoder     HuggingFace decoder LLMs (Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-2) for prefill-style
-                   work, and the models that hold them (...ForCausalLM, ...ForSequenceClassification)
+                   work, and the models that hold them (...ForCausalLM, ...ForSequenceClassification); the fused
+                   decoder layers (fused_decoder.py)
+    hf             what the HF families share (dispatch, calls, our attention in transformers' interface)
+    encoder        the fused encoder layer stack both encoder families run (family-agnostic)
+    qkv            one q/k/v product per layer for the BERT family
 
 An adapter never imports another adapter; the runtime never imports transformers (an adapter does, and
 only once transformers was imported by the caller: a model cannot be a HuggingFace one before that).

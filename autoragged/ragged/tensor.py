@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._backend import host_to_device, use_triton
-from ._layout import Layout, as_lengths, check_align
-from .kernels import ragged_pack
+from ..kernels import ragged_pack
+from .backend import host_to_device, use_triton
+from .layout import Layout, as_lengths, check_align
 
 __all__ = ["RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding"]
 

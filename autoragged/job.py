@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._backend import host_to_device
-from ._layout import Layout, check_align
-from ._ragged import RaggedTensor
+from .ragged.backend import host_to_device
+from .ragged.layout import Layout, check_align
+from .ragged.tensor import RaggedTensor
 
 __all__ = ["run_job", "token_budget", "OUTPUTS"]
 
@@ -275,7 +275,7 @@ def _align(runtime, longest: int, align: int | None) -> int:
     one, or the untuned default): a RaggedTensor keeps its own layout on that arm, so this is no repack."""
     if align is not None:
         return check_align(align)
-    from ._planner import default_ragged_config
+    from .planning.planner import default_ragged_config
 
     config = runtime.options.config or default_ragged_config(runtime.body.head_dim, longest)
     return config.align

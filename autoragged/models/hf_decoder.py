@@ -54,12 +54,14 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers import modeling_outputs as outputs
 
-from .._layout import Layout
-from .._ragged import RaggedTensor, _from_padded, _to_padded
 from ..kernels import ragged_attention as k_attn
+from ..ragged.layout import Layout
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded
 from ..runtime.core import _mask_rows, pad_mask
 from ..tuning_db import ModuleSignature
-from . import _fused_decoder, _hf, _sentence
+from . import fused_decoder as _fused_decoder
+from . import hf as _hf
+from . import sentence as _sentence
 
 __all__ = ["ADAPTER", "FAMILIES"]
 

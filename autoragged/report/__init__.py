@@ -40,21 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._costmodel import FEATURE_VERSION, KINDS
-from ._report_render import _metric, _on_cpu, render_html, render_text
-from ._report_results import (
-    Calibration,
-    DeviceSummary,
-    GraphEvents,
-    ModuleSummary,
-    Regret,
-    Share,
-    Summary,
-    TimeSaved,
-)  # fmt: skip
-from ._rollup import arm_label, rollup
-from .runtime.core import CAPTURING, NO_GRAPH
-from .tuning_db import (
+from ..planning.costmodel import FEATURE_VERSION, KINDS
+from ..runtime.core import CAPTURING, NO_GRAPH
+from ..tuning_db import (
     BucketTotals,
     DatabaseError,
     Decision,
@@ -66,6 +54,18 @@ from .tuning_db import (
     TuningDB,
     default_path,
 )  # fmt: skip
+from .render import _metric, _on_cpu, render_html, render_text
+from .results import (
+    Calibration,
+    DeviceSummary,
+    GraphEvents,
+    ModuleSummary,
+    Regret,
+    Share,
+    Summary,
+    TimeSaved,
+)  # fmt: skip
+from .rollup import arm_label, rollup
 
 __all__ = [
     "main",
@@ -463,7 +463,7 @@ def _require_matplotlib():
 
 
 def _write_html(rec: _Records, s: Summary, path: str | os.PathLike[str]) -> Path:
-    from ._report_plots import images  # matplotlib, imported when a page is drawn
+    from .plots import images  # matplotlib, imported when a page is drawn
 
     out = Path(path).expanduser()
     page = render_html(s, images(rec, s))
@@ -513,7 +513,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 report printed (or nothing recorded yet), 1 no database file / HTML not writable,
     2 usage error, unreadable database, or matplotlib missing for --html."""
-    from .tune import _setup_logging  # the same handler as the tuner's (replaced, not stacked)
+    from ..tune import _setup_logging  # the same handler as the tuner's (replaced, not stacked)
 
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
@@ -555,7 +555,3 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         log.info("wrote %s", out)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,10 +11,10 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .tuning_db import KEEP_ENV_VAR
+from ..tuning_db import KEEP_ENV_VAR
 
 if TYPE_CHECKING:
-    from ._report_results import DeviceSummary, ModuleSummary, Summary, TimeSaved
+    from .results import DeviceSummary, ModuleSummary, Summary, TimeSaved
 
 __all__ = ["render_text", "render_html"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ._recorder import RECORDER
-from .adapters import adapters_for
 from .kernels._config import KernelConfig
+from .models import adapters_for
 from .runtime.core import POLICIES, Options, Runtime
+from .runtime.recorder import RECORDER
 from .tuning_db import Decision, default_path
 
 __all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "POLICIES"]

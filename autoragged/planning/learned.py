@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from ._buckets import LADDER_VERSION
-from ._costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features
-from ._payload import MAX_DEPTH, TREE_FIELDS, PayloadError, check_candidates, check_device, check_forest, require
-from .kernels._config import KernelConfig
-from .tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
+from ..kernels._config import KernelConfig
+from ..tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
+from .buckets import LADDER_VERSION
+from .costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features
+from .payload import MAX_DEPTH, TREE_FIELDS, PayloadError, check_candidates, check_device, check_forest, require
 
 __all__ = [
     "CompiledModel", "Forest", "fit_cost_model", "evaluate_choices", "against_every_arm", "held_out_predictions",
@@ -126,8 +126,8 @@ REFERENCES = ("ragged_graph", "padded")
 
 
 def reference_arm(reference: str, sig: ModuleSignature, stats: BatchStats) -> Arm:
-    from ._buckets import mask_width
-    from ._planner import graph_config
+    from .buckets import mask_width
+    from .planner import graph_config
 
     if reference == "padded":
         return PADDED
@@ -202,7 +202,7 @@ class CompiledModel:
             for limit, arms in buckets:
                 if stats.max_len <= limit and arms:
                     return arms
-            from ._planner import default_ragged_config
+            from .planner import default_ragged_config
 
             return [Arm("ragged", default_ragged_config(head_dim, stats.max_len))]
 
@@ -489,7 +489,7 @@ def _shortlist(measurements: Sequence[Measurement], top: int = 3) -> dict[str, l
     beat it on most of them by a median of at least 3% and lost on none by over 5% (best first).
     Conservative on purpose: the model ranks what is here, and a config that only won on average over
     other batch sizes is not offered."""
-    from ._planner import default_ragged_config
+    from .planner import default_ragged_config
 
     per_batch: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
     for m in measurements:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._epoch import param_epoch
+from ..runtime.epoch import param_epoch
 
 __all__ = ["Body", "Call"]
 
