@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
 from ..tuning_db import KEEP_ENV_VAR, Decision
+from . import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
 from .rollup import forced as _forced
 from .rollup import predicted_of
 
