@@ -191,7 +191,7 @@ class HFBody(Body):
         """(args, kwargs) of a call of this base model on `lengths` padded to L (right padding): token ids
         within the vocabulary, and the attention mask (1 = token) or `lengths=` (`autoragged.warmup`); no KV
         cache asked for where the forward takes `use_cache` (a scoring call)."""
-        from ..runtime.core import pad_mask
+        from ..ragged.tensor import pad_mask
 
         token = min(5, self.config.vocab_size - 1)
         ids = torch.full((len(lengths), L), token, dtype=torch.long, device=device)
@@ -355,7 +355,7 @@ class HFCall(Call):
     def padded(self, module, lens, stats):
         if self.kwargs.get("attention_mask") is None and stats.total < stats.batch * self.L:
             # lengths= without a mask: the padded model needs one (built on the device from the host lengths)
-            from ..runtime.core import pad_mask
+            from ..ragged.tensor import pad_mask
 
             mask = ~pad_mask(lens, self.L, self.device)
             return self.body.forward_of(module)(**{**self.kwargs, "attention_mask": mask})

@@ -56,8 +56,7 @@ from transformers import modeling_outputs as outputs
 
 from ..kernels import ragged_attention as k_attn
 from ..ragged.layout import Layout
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded
-from ..runtime.core import _mask_rows, pad_mask
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_rows, pad_mask
 from ..tuning_db import ModuleSignature
 from . import fused_decoder as _fused_decoder
 from . import hf as _hf
@@ -372,7 +371,7 @@ class HFDecoderCall(_hf.HFCall):
         if self._flat is None or self._flat[0] is not layout:
             B, L, device = self.B, self.L, self.device
             kpm = self.kpm if self.kpm is not None else pad_mask(layout.lengths, L, device)
-            slots = _mask_rows(kpm, layout)  # (B * L,) the packed row of each padded position, pads: layout.rows
+            slots = mask_rows(kpm, layout)  # (B * L,) the packed row of each padded position, pads: layout.rows
             flat = torch.full((layout.rows + 1,), B * L, dtype=torch.int64, device=device)
             flat.index_copy_(0, slots, torch.arange(B * L, device=device))
             self._flat = (layout, flat[: layout.rows])

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from ..nn import activation_kind, encoder_specs, support_error
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, _zero_pads
-from ..runtime.core import pad_mask
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, _zero_pads, pad_mask
 from ..tuning_db import ModuleSignature
 from .base import Body, Call, EpochCache
 from .encoder import encoder_values, layer_linears

@@ -15,7 +15,10 @@ from ..kernels import ragged_pack
 from .backend import host_to_device, use_triton
 from .layout import Layout, as_lengths, check_align
 
-__all__ = ["RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding"]
+__all__ = [
+    "RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding", "pad_mask", "mask_rows",
+    "pack_by_mask", "unpack_by_mask",
+]  # fmt: skip
 
 
 class RaggedTensor:
@@ -459,3 +462,48 @@ def restore_padding(r: RaggedTensor, axis: int = 1, pad_value: float = 0.0, max_
     if axis not in (0, 1):
         raise ValueError(f"axis must be 0 (sequence-first) or 1 (batch-first), got {axis}")
     return _to_padded(r, pad_value, max_len, seq_axis=axis)
+
+
+# -- padded <-> packed by a key padding mask (any pattern), on the device -------------------------------------
+def pad_mask(lens: tuple[int, ...], L: int, device: torch.device) -> torch.Tensor:
+    """(B, L) bool, True = pad, built on the device from host lengths (no sync)."""
+    dev_lengths = Layout.make(lens, 1).device_meta(device)[1]
+    return torch.arange(L, device=device, dtype=torch.int32)[None, :] >= dev_lengths[:, None]
+
+
+def mask_rows(kpm: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(B * L,) int64: the values row of each padded position (real tokens in order from their component's
+    offset; pads point at the spare row `layout.rows`). A layout with query rows (`Layout.with_query_rows`)
+    also maps a non-empty row's column 0, where it is a pad, to its component's query row."""
+    real = ~kpm
+    offsets = layout.device_meta(kpm.device)[0][:-1].to(torch.int64)
+    rank = real.to(torch.int64).cumsum(1) - 1 + offsets[:, None]
+    rows = torch.where(real, rank, layout.rows)
+    keys = layout.key_lengths
+    if keys is not None:
+        query_row = torch.where(kpm[:, 0] & (keys > 0), offsets + keys, rows[:, 0])
+        rows = torch.cat([query_row[:, None], rows[:, 1:]], 1)
+    return rows.reshape(-1)
+
+
+def pack_by_mask(x: torch.Tensor, kpm: torch.Tensor, lens: tuple[int, ...], seq_axis: int, first_column: bool):
+    """x's real tokens (kpm False, any pattern) packed back to back, align 1, as a RaggedTensor; no device
+    sync. first_column: each non-empty row also packs column 0 as a query-only row (where column 0 is real,
+    that row is zeros and unread)."""
+    layout = Layout.with_query_rows(lens, x.device) if first_column else Layout.make(lens, 1)
+    src = x if seq_axis == 1 else x.transpose(0, 1)
+    B, L = kpm.shape
+    flat = src.reshape(B * L, *src.shape[2:])
+    make = flat.new_zeros if first_column else flat.new_empty
+    values = make((layout.rows + 1, *src.shape[2:]))
+    values.index_copy_(0, mask_rows(kpm, layout), flat)  # pads all land on the spare row
+    return RaggedTensor(values[: layout.rows], layout)
+
+
+def unpack_by_mask(values: torch.Tensor, rt: RaggedTensor, kpm: torch.Tensor, seq_axis: int) -> torch.Tensor:
+    """The inverse of `pack_by_mask`: values back at their padded positions (a query row's at column 0),
+    zeros at the other pads."""
+    B, L = kpm.shape
+    spare = torch.cat([values[: rt.layout.rows], values.new_zeros((1, *values.shape[1:]))])
+    out = spare.index_select(0, mask_rows(kpm, rt.layout)).view(B, L, *values.shape[1:])
+    return out if seq_axis == 1 else out.transpose(0, 1)

@@ -35,8 +35,8 @@ from ..planning.buckets import LADDER_VERSION, cublas_rows, mask_width
 from ..planning.costmodel import PADDED, AnalyticPrior, Arm
 from ..planning.device import device_key
 from ..planning.planner import Planner, default_ragged_config, graph_config
-from ..ragged.layout import HostLengths, Layout, as_lengths
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_lengths
+from ..ragged.layout import HostLengths, as_lengths
+from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_lengths, pack_by_mask, unpack_by_mask
 from ..tuning_db import BatchStats, Measurement
 from . import policy
 from .epoch import param_epoch
@@ -44,7 +44,7 @@ from .policy import Scales, ShapeKey, ShapeState
 from .recorder import RECORDER
 from .records import PadsRing, Record, Timers, quiet_mark
 
-__all__ = ["Runtime", "Options", "POLICIES", "pad_mask", "CAPTURING", "NO_GRAPH"]
+__all__ = ["Runtime", "Options", "POLICIES", "CAPTURING", "NO_GRAPH"]
 
 log = logging.getLogger("autoragged")
 POLICIES = ("auto", "padded", "ragged")
@@ -80,12 +80,6 @@ class _Timed:
     record: Record
     kind: str
     shape: ShapeState | None
-
-
-def pad_mask(lens: tuple[int, ...], L: int, device: torch.device) -> torch.Tensor:
-    """(B, L) bool, True = pad, built on the device from host lengths (no sync)."""
-    dev_lengths = Layout.make(lens, 1).device_meta(device)[1]
-    return torch.arange(L, device=device, dtype=torch.int32)[None, :] >= dev_lengths[:, None]
 
 
 class Runtime:
@@ -415,8 +409,8 @@ class Runtime:
         seq_axis = 1 if body.batch_first else 0
         x = call.x
         if not_prefix is not None:  # any padding pattern: packed and unpacked by the mask
-            rt = _pack_by_mask(x, call.kpm, lens, seq_axis, body.first_column)
-            unpack = lambda v: _unpack_by_mask(v, rt, call.kpm, seq_axis)  # noqa: E731
+            rt = pack_by_mask(x, call.kpm, lens, seq_axis, body.first_column)
+            unpack = lambda v: unpack_by_mask(v, rt, call.kpm, seq_axis)  # noqa: E731
         else:
             rt = _from_padded(x, lens, config.align, seq_axis, _eager_rows(config, x, call.causal, stats.total))
             unpack = lambda v: _to_padded(RaggedTensor(v, rt.layout), 0.0, call.L, seq_axis)  # noqa: E731
@@ -569,41 +563,3 @@ def _eager_rows(config: KernelConfig, x: torch.Tensor, causal: bool, total: int)
     count every batch); else None, the packed rows. Causal runs keep their packed rows (each maps to a position
     and a cache slot)."""
     return cublas_rows(total) if config.backend == "cublas" and x.is_cuda and not causal else None
-
-
-def _mask_rows(kpm: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(B * L,) int64: the values row of each padded position (real tokens in order from their component's
-    offset; pads point at the spare row `layout.rows`). A layout with query rows (`Layout.with_query_rows`)
-    also maps a non-empty row's column 0, where it is a pad, to its component's query row."""
-    real = ~kpm
-    offsets = layout.device_meta(kpm.device)[0][:-1].to(torch.int64)
-    rank = real.to(torch.int64).cumsum(1) - 1 + offsets[:, None]
-    rows = torch.where(real, rank, layout.rows)
-    keys = layout.key_lengths
-    if keys is not None:
-        query_row = torch.where(kpm[:, 0] & (keys > 0), offsets + keys, rows[:, 0])
-        rows = torch.cat([query_row[:, None], rows[:, 1:]], 1)
-    return rows.reshape(-1)
-
-
-def _pack_by_mask(x: torch.Tensor, kpm: torch.Tensor, lens: tuple[int, ...], seq_axis: int, first_column: bool):
-    """x's real tokens (kpm False, any pattern) packed back to back, align 1, as a RaggedTensor; no device
-    sync. first_column: each non-empty row also packs column 0 as a query-only row (where column 0 is real,
-    that row is zeros and unread)."""
-    layout = Layout.with_query_rows(lens, x.device) if first_column else Layout.make(lens, 1)
-    src = x if seq_axis == 1 else x.transpose(0, 1)
-    B, L = kpm.shape
-    flat = src.reshape(B * L, *src.shape[2:])
-    make = flat.new_zeros if first_column else flat.new_empty
-    values = make((layout.rows + 1, *src.shape[2:]))
-    values.index_copy_(0, _mask_rows(kpm, layout), flat)  # pads all land on the spare row
-    return RaggedTensor(values[: layout.rows], layout)
-
-
-def _unpack_by_mask(values: torch.Tensor, rt: RaggedTensor, kpm: torch.Tensor, seq_axis: int) -> torch.Tensor:
-    """The inverse of `_pack_by_mask`: values back at their padded positions (a query row's at column 0),
-    zeros at the other pads."""
-    B, L = kpm.shape
-    spare = torch.cat([values[: rt.layout.rows], values.new_zeros((1, *values.shape[1:]))])
-    out = spare.index_select(0, _mask_rows(kpm, rt.layout)).view(B, L, *values.shape[1:])
-    return out if seq_axis == 1 else out.transpose(0, 1)
