@@ -275,7 +275,7 @@ def _cache(monkeypatch, cap=None):
     from autoragged.graphs.worker import worker
 
     monkeypatch.setattr(_cache_module.torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(worker, "stream", lambda device: "stream")
+    monkeypatch.setattr(worker, "stream", lambda device, purpose="warm": purpose)
     cache = _cache_module.GraphCache(cap=cap)
     cache.budget_bytes = 1 << 30
     return cache, worker

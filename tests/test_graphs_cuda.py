@@ -162,7 +162,8 @@ def test_traffic_runs_eagerly_while_its_graph_is_captured_in_the_background_then
 
 def test_a_warm_up_in_the_background_while_the_caller_keeps_the_gpu_busy_is_right():
     """The graph's warm-up run on the worker's thread and stream: the caller's eager batches on the default stream
-    neither break it nor are broken by it, and the graph it leaves records and replays right."""
+    neither break it nor are broken by it, and the graph it leaves records and replays right, also where the zeroing
+    of its buffers, queued behind the caller's work, would run after the warm-up (it reset the fetched stamp)."""
     enc = autoragged.wrap(encoder(), db=False)
     other = autoragged.wrap(encoder(), db=False, policy="ragged")
     lengths = [64, 9, 33]
@@ -172,6 +173,7 @@ def test_a_warm_up_in_the_background_while_the_caller_keeps_the_gpu_busy_is_righ
     key = rt._graph_key(TorchCall(rt.body, x, None, mask, None, None), rt_shape(x, mask))
     cache = rt.graphs_for(x.device)
     make, nbytes = rt._graph_make(enc, key, sum(lengths))
+    torch.cuda._sleep(int(3e8))  # the graph's buffers are zeroed behind this on the default stream, its warm-up not
     cache.request(key, make, x.device, nbytes)
     with torch.inference_mode():
         busy = [other(x, src_key_padding_mask=mask) for _ in range(20)]  # while the worker warms the graph up

@@ -115,7 +115,7 @@ class GraphCache:
 
         def done(result, error):
             graph, ms = result if result is not None else (None, 0.0)
-            self.done.append((key, graph, error, ms, nbytes, pool, stream))
+            self.done.append((key, graph, error, ms, nbytes, pool, worker.stream(device, "capture")))
 
         worker.submit(job, done)
         return True
@@ -151,9 +151,9 @@ class GraphCache:
         self.record_ready()
         self._fits(device, nbytes)
         t0 = time.perf_counter()
-        pool, stream = self._pool(), worker.stream(device)
-        graph = make(pool, stream)
-        graph.record(pool, stream)
+        pool = self._pool()
+        graph = make(pool, worker.stream(device))
+        graph.record(pool, worker.stream(device, "capture"))
         self._keep(key, graph, (time.perf_counter() - t0) * 1e3, nbytes)
         return graph
 

@@ -236,6 +236,9 @@ class RaggedGraph:
                 ragged_pack.unpack_to(args, out, layout.offsets, layout.lengths, width)
 
         self.keepalive, self.graph = run, None
+        # the buffers above were zeroed on this thread's stream: the warm-up must follow (a zeroing after its args
+        # fetch reset the fetched stamp, and every replay then read the warm-up's empty batch)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():  # compiles the Triton kernels, makes handles
             slot = mailbox.post(())  # a batch of no components: nothing read or written through pointers
             run()

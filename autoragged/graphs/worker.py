@@ -36,15 +36,17 @@ class CaptureWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
-    def stream(self, device) -> torch.cuda.Stream:
-        """The stream captures on `device` run on (made once)."""
+    def stream(self, device, purpose: str = "warm") -> torch.cuda.Stream:
+        """The stream on `device` for the graphs' warm-up runs (`purpose` "warm", this thread's) or for their
+        captures ("capture", the callers' threads): two streams, since a capture takes in whatever any thread
+        queues on its stream meanwhile (a warm-up run queued there broke the capture of another graph)."""
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index
-        stream = self._streams.get(index)
+        stream = self._streams.get((index, purpose))
         if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(index)
+            stream = self._streams[(index, purpose)] = torch.cuda.Stream(index)
         return stream
 
     def submit(self, make, done) -> None:
