@@ -18,7 +18,7 @@ def _ragged_arm(device) -> str:
     from .ragged.backend import use_triton
 
     if device.type == "cuda":
-        return "Triton kernels (compiled), linears on cuBLAS (Triton ones in the graph fed the mask)"
+        return "Triton kernels (compiled), linears on cuBLAS (Triton ones in the ragged graphs)"
     if use_triton(torch.empty(0, device=device)):
         return "Triton kernels in Triton's interpreter (TRITON_INTERPRET=1), linears on PyTorch's CPU matmul"
     other = "TRITON_INTERPRET=1: Triton's interpreter" if HAS_TRITON else "Triton is not installed"

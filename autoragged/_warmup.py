@@ -40,12 +40,12 @@ class WarmupSummary:
     """What `warmup` did. modules: wrapped modules warmed; skipped: modules it could not warm, with why;
     batches: synthetic batches run (all modules); seconds: wall time; compile_s: time Triton spent compiling
     (or loading from its cache) kernels, None where not measurable (Triton's interpreter, a Triton without
-    compile hooks); capture_s: host time of the CUDA-graph captures; captured: the graph buckets captured,
-    as "module: bucket" labels; graphs, graph_bytes: graphs kept now and their bytes (all modules);
-    evictions: graphs evicted meanwhile; declined: batches run eagerly because a capture would not pay;
-    bound_reached: the memory bound stopped captures; cublas_rows: row counts (rungs) the eager arm's cuBLAS
-    linears were run on, all modules (`_warm_cublas_rows`); ahead_s: the wait, at the end, for the kernel
-    variants compiling in the background (`kernels/_ahead.py`) to be done."""
+    compile hooks); capture_s: host time of the CUDA-graph captures; captured: the graphs captured, as
+    "module: B x width, lengths_from (inputs)" labels; graphs, graph_bytes: graphs kept now and their bytes (all
+    modules); evictions: graphs evicted meanwhile; bound_reached: the memory bound stopped captures;
+    cublas_rows: row counts (rungs) the eager arm's cuBLAS linears were run on, all modules (`_warm_cublas_rows`);
+    ahead_s: the wait, at the end, for the kernel variants compiling in the background (`kernels/_ahead.py`) to be
+    done."""
 
     modules: int = 0
     skipped: dict[str, str] = field(default_factory=dict)

@@ -128,15 +128,13 @@ def time_close_calls(fns: Sequence[Callable[[], object]], device: torch.device, 
                      max_extra_ms: float = 250.0, screen_reps: int = 0, far: float = 1.5) -> list[Timing]:  # fmt: skip
     """`time_interleaved`, then, for the arms `close_to_best` cannot separate, `extra_reps` more interleaved
     calls each (fewer if they would take over `max_extra_ms` in all), pooled with the first ones. A batch's
-    label is its fastest arm; near ties are where host noise picks it (on the H100 calibration of
-    2026-11-23 the two ragged graphs, whose p10-p90 spreads overlapped on most small batches).
+    label is its fastest arm; near ties are where host noise picks it (on small batches the arms' p10-p90
+    spreads often overlap).
 
     With `screen_reps` (fewer than `reps`), the first round is a screen of `screen_reps` calls each after one
     warm-up call: an arm whose median is over `far` times the fastest's keeps those timings, the others are
-    timed up to `reps`. A label never comes from an arm that far behind, and such arms took most of a
-    calibration's timed calls: on tiny batches the eager arms take 10-20x the graphs' time (H100 calibration
-    of 2026-11-23, estimated from its recorded medians and repetitions: 227 of 441 s measuring went to timed
-    and warm-up calls, 125 s would have with the screen)."""
+    timed up to `reps`. A label never comes from an arm that far behind, and such arms take most of a
+    calibration's timed calls: on tiny batches the eager arms take 10-20x the graph's time on an H100."""
     if 0 < screen_reps < reps:
         timings = time_interleaved(fns, device, warmup=1, reps=screen_reps)
         best = min(t.median_ms for t in timings)
@@ -199,7 +197,7 @@ class ArmRunner:
         kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
                   "attention_mask": keep.long().to(device)}  # fmt: skip
         if self.runtime.adapter.name == "hf_decoder":
-            kwargs["use_cache"] = False  # a scoring call: a cache would keep the graph arm from running
+            kwargs["use_cache"] = False  # a scoring call: no KV cache is built
         return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):

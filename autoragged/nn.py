@@ -5,7 +5,7 @@ and shares its parameters (no copies: an in-place update of the original is seen
 norm_first both ways, relu and (exact) gelu, bias on and off, any layer_norm_eps, the encoder's final
 norm, self-attention with one in-projection; `support_error()` names anything else.
 
-The layers run as specs of the fused ragged encoder (`autoragged/_encoder.py`, shared with the HF
+The layers run as specs of the fused ragged encoder (`autoragged/models/encoder.py`, shared with the HF
 BERT family): qkv linear, attention, out linear, add+LayerNorm, ff1 linear (+ activation fused), ff2
 linear, add+LayerNorm.
 """
@@ -90,7 +90,7 @@ def _is_dispatching_layer(layer: nn.Module) -> bool:
     return isinstance(layer, nn.TransformerEncoderLayer) and hasattr(layer, "_autoragged")
 
 
-# -- as specs of the fused ragged encoder (autoragged/_encoder.py) -------------------------------
+# -- as specs of the fused ragged encoder (models/encoder.py) ------------------------------------
 def _norm_args(norm: nn.LayerNorm) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
     return norm.weight, norm.bias, norm.eps
 

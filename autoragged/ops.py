@@ -63,7 +63,8 @@ def attention_values(
 ) -> torch.Tensor:
     """q (rows, H, Dh), k and v (rows, Hkv, Dh) values of `layout`, Hkv dividing H; returns (rows, H, Dh),
     gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`. A layout with
-    `key_lengths` (that of a CUDA graph fed a mask, for a first-token pooler) has query-only rows past them."""
+    `key_lengths` (a first-token pooler's column 0 as a query row: `Layout.with_query_rows`, or a CUDA graph fed
+    a mask) has query-only rows past them."""
     k_attn.check_inputs(q, k, v)
     left, right = k_attn.check_window(window)
     key_lengths = getattr(layout, "key_lengths", None)

@@ -2,16 +2,15 @@
 
 For each module signature it draws batches from many length distributions (the CoRa Beta recipe,
 log-normal, bimodal short + long, uniform, all equal) at batch sizes from 1 to 256, measures the padded
-arm, the ragged arm (the default config and configs an optuna study proposes for the batch's max_len
-bucket) and, on a GPU, both arms replayed as CUDA graphs (the ragged one with cuBLAS and with Triton
-linears), exactly as the runtime runs them, and records
-everything in the tuning database. Then it fits
-the cost model on every measurement of this device (traffic samples included), evaluates it on
-length families held out of the fit, stores it, and prints the metrics. The wrapped models of later
-processes load it on their first batch, unless it picked worse than the analytic prior on those held-out
-batches: then it is stored marked as not adopted, the printout says so, and they keep the prior.
+arm, the eager ragged arm (the default config and configs an optuna study proposes for the batch's max_len
+bucket) and, on a GPU, the ragged graph (Triton linears), exactly as the runtime runs them, and records
+everything in the tuning database. Then it fits the cost model on every measurement of this device (traffic
+samples included), evaluates it on length families held out of the fit, stores it, and prints the metrics.
+The wrapped models of later processes load it on their first batch, unless it picked worse than the analytic
+prior on those held-out batches: then it is stored marked as not adopted, the printout says so, and they keep
+the prior.
 
-A machine too slow or busy to measure what a fit needs (`_model.MIN_ROWS` measurements) within the budget
+A machine too slow or busy to measure what a fit needs (`learned.MIN_ROWS` measurements) within the budget
 measures on, for up to twice the budget; if it still has too few, wrapped models keep the analytic prior, the
 tuner says so in one line and exits 0.
 
@@ -173,8 +172,8 @@ def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
 
     Two of three batches have B and max_len log-uniform over the whole range; every third is a large
     batch (B from 16 up, max_len from 128 up). Large batches take most of a long job's time, and with
-    log-uniform draws alone they were 3% of a calibration (18 of 603 batches above 16K tokens on the
-    H100), too few for the model to rank the arms there."""
+    log-uniform draws alone 3% of a calibration's batches are above 16K tokens, too few for the model to rank
+    the arms there."""
     from .workloads import FAMILIES
 
     families = list(FAMILIES)
@@ -296,11 +295,8 @@ class _Context:
         return self.optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
 
 
-# What fitting and evaluating the model takes, by the measurements it is fit on: on the H100 machine's host
-# a refit of 5,113 measurements (810 batches) took 55 s from start to exit (2026-11-23, on OpenMP's default
-# threads; the fit runs on one thread since, see _model._one_thread); on the 2-core CPU box with other jobs
-# running, a refit of 4,172 measurements took 65-72 s on one thread, and the 46-92 of a `--quick` run 5-7 s
-# (2026-11-24). A budget-10 calibration that kept 45 s for it was still fitting when its 600-s device call ended.
+# What fitting and evaluating the model takes, by the measurements it is fit on: a refit of 4,172 measurements
+# takes 65-72 s on one thread of a busy 2-core CPU (`learned._one_thread`), the 46-92 of a `--quick` run 5-7 s.
 _FIT_FIXED_S = 10.0
 _FIT_S_PER_ROW = 0.012
 # A machine too slow or too busy to measure the fit's MIN_ROWS measurements in the budget measures on until it
@@ -462,7 +458,7 @@ def _print_fit(model_id: int, key, metrics: dict) -> None:
     print(f"\ncost model #{model_id} for {key.key}")
     print(f"  fit on {metrics['rows']} measurements; tested on {metrics['batches']} batches left out of the fit "
           f"({metrics['holdout']}: {', '.join(metrics['families'])}),")  # fmt: skip
-    print("  picking among the arms a wrapped model chooses from when it knows the batch's lengths:")
+    print("  picking among the arms a wrapped model chooses from:")
     ref = metrics.get("reference", "")
     rows = [
         ("picked the fastest arm (or one within 1% of it)", pct(metrics["accuracy"]),
@@ -474,8 +470,8 @@ def _print_fit(model_id: int, key, metrics: dict) -> None:
         ("p95 regret: 95% of its picks ran at most this much slower", pct(metrics["p95_regret"], 2), "-",
          pct(metrics.get("reference_p95_regret"), 2)),
     ]  # fmt: skip
-    if metrics.get("mean_regret_all_arms") != metrics["mean_regret"]:  # only where a mask-only arm was timed
-        rows.append(("mean regret against every arm, the one run only for batches without lengths too",
+    if metrics.get("mean_regret_all_arms") != metrics["mean_regret"]:  # (`learned.against_every_arm`)
+        rows.append(("mean regret against every arm measured on the batch",
                      pct(metrics.get("mean_regret_all_arms"), 2), "-", "-"))  # fmt: skip
     rows.append(("latency error (MAPE): mean of |predicted - measured| / measured", pct(metrics["mape"]), "-", "-"))
     print(f"  | held out | learned model | analytic prior | always {ref} |")

@@ -1,9 +1,9 @@
 """`autoragged.wrap()`: make each supported module of a model choose an arm per batch.
 
-A model-family adapter (autoragged/adapters/) finds the modules it can wrap (PyTorch's encoder modules,
+A model-family adapter (autoragged/models/) finds the modules it can wrap (PyTorch's encoder modules,
 HuggingFace encoders, ...) and makes each one dispatch; each wrapped module holds its `Runtime`
 (autoragged/runtime/core.py) as the attribute `_autoragged` (a plain object, not a submodule): lengths ->
-stats -> plan -> arm -> record, the same for every family.
+stats -> choice -> arm -> record, the same for every family.
 """
 
 from __future__ import annotations

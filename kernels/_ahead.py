@@ -3,11 +3,11 @@
 A Triton kernel compiles one variant per set of constexprs (tiles, flags) and argument specialisations. The
 runtime picks tiles from a batch's shape (its rows for a linear, its longest component for attention), so a
 stream of new batches meets a variant it has not compiled yet at some batch of its own choosing: compiled
-then, inside a CUDA-graph capture, it stalled the stream for 0.3-0.7 s (H100, 2026-11-25,
-benchmarks/stream_table.py). So the first launch of a variant outside a capture hands its siblings (the
-same call with the other tiles the runtime may pick) to this thread, which compiles them with Triton's
-`warmup`: no launch, no module load. A launch that comes before its sibling's compile finished compiles it
-itself, as before. Nothing is done in the interpreter or off the GPU.
+then, inside a CUDA-graph capture, it stalls the stream for 0.3-0.7 s on an H100 (benchmarks/stream_table.py).
+So the first launch of a variant outside a capture hands its siblings (the same call with the other tiles the
+runtime may pick) to this thread, which compiles them with Triton's `warmup`: no launch, no module load. A
+launch that comes before its sibling's compile finished compiles it itself. Nothing is done in the interpreter
+or off the GPU.
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def next_pow2(n: int) -> int:
 def aligned(n: int) -> int:
     """n rounded up to a multiple of 16: where the next section of a packed int32 buffer starts, 64-byte
     aligned. Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so views of one
-    buffer at offsets that follow the batch (B + 1, the program count) compiled a second variant at whichever
-    batch first flipped an alignment: inside a CUDA-graph capture in a stream, 0.7 s (HF bert-base, CoLA
-    B=128, H100, 2026-11-25, benchmarks/stream_table.py)."""
+    buffer at offsets that follow the batch (B + 1, the program count) would compile a second variant at
+    whichever batch first flips an alignment: inside a CUDA-graph capture in a stream, 0.7 s (HF bert-base,
+    CoLA B=128 on an H100, benchmarks/stream_table.py)."""
     return -(-n // 16) * 16
 
 
@@ -101,8 +101,8 @@ def dot_upcast(dtype_name: str) -> bool:
     """Whether kernels must feed `tl.dot` fp32 operands instead of `dtype_name` ones.
 
     Only under the interpreter, only for bfloat16: Triton 3.9's interpreter computes bf16 x bf16 dots
-    wrongly (a 16x16 product of randn inputs came out 1e10 off, 2026-11-22), while casts and loads of
-    bf16 are right. Compiled kernels always take the native path.
+    wrongly (a 16x16 product of randn inputs comes out 1e10 off), while casts and loads of bf16 are right.
+    Compiled kernels always take the native path.
     """
     return _INTERPRET and dtype_name == "bfloat16"
 

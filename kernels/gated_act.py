@@ -22,7 +22,7 @@ __all__ = ["silu_mul", "silu_mul_ref"]
 
 # BLOCK_M rows x BLOCK_F columns a program. Rows are masked per row and columns against N = F, which is specialised
 # (a multiple of 16 in every model): the loads stay vectorised. A flat 1-D pass masked against an unspecialised
-# element count loses that and ran at half the bandwidth.
+# element count loses that and runs at half the bandwidth.
 BLOCK_M, BLOCK_F = 4, 1024
 
 

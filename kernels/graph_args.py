@@ -1,12 +1,9 @@
 """Per-batch arguments that a replayed CUDA graph fetches itself from pinned host memory: its first node.
 
 A ragged graph reads its batch (pointers, strides, sizes, lengths) from a static int64 `args` buffer on
-the device. Filling that buffer with a host->device copy per batch took 15-17 us of host time on the H100
-host, and 34 us with the replay against 5-8 us for the replay alone (benchmarks/results/
-short_rows_host_steps_stop19.json, 2026-11-23): torch's copy dispatch and the event guarding the pinned
-slot. Posting into the ring took 3.1-3.7 us, and posting then replaying 12.6-20.6 (CoLA and MRPC B=32,
-short_rows_host_steps.json).
-Here the host writes the batch into a slot of a pinned ring (a numpy store) and replays; the graph's
+the device. Filling that buffer with a host->device copy per batch costs 15-17 us of host time on an H100
+host (torch's copy dispatch and the event guarding the pinned slot), against 3.1-3.7 us for a post into the
+ring. Here the host writes the batch into a slot of a pinned ring (a numpy store) and replays; the graph's
 first kernel reads the slot over PCIe and writes `args`.
 
 Which slot: the n-th posted batch of a graph (n = 1, 2, ...) goes to slot n % slots, stamped with n. The
@@ -16,7 +13,7 @@ must be state[0] + 1. A stamp that does not match means no batch was posted for 
 `state[1]` and leaves `state[0]` as it was, so the next posted batch still matches. So every replay must
 post first: a replay that did not (a bare `graph.replay()`) takes the next posted batch if the host has
 written it by the time the kernel runs, and that batch's own replay then finds none; either way a miss is
-counted. The host reuses a slot only once the replay that read it has completed (autoragged/runtime/capture.py:
+counted. The host reuses a slot only once the replay that read it has completed (autoragged/graphs/capture.py:
 an event per slot), so a queued replay never sees its slot overwritten.
 
 The ring's loads are volatile (system scope): the host rewrites a slot between replays, and a line cached

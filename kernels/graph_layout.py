@@ -8,7 +8,7 @@ fetched by the graph's first kernel from a pinned slot the host wrote (kernels/g
 
 Shape contracts
     args:   (ARGS_HEAD + batch,) int64 on the device; args[ARGS_HEAD + i] = length of component i
-            (0 for the bucket's spare components)
+            (0 for the graph's spare components)
     meta:   (meta_size(batch, programs),) int32, sections (each starting at a multiple of 16 elements,
             `starts`; the padding between them is never read nor written):
               offsets        (batch + 1,)  start of each component, aligned to `align` rows
@@ -168,8 +168,8 @@ def _compile_siblings(kernel_args: tuple, sizes: dict, mine: tuple) -> None:
     """The first layout of a batch size bucket (outside a capture) compiles, in the background, the variants
     the other graphs of that bucket may launch (kernels/_ahead.py): the attention tiles' row blocks (32 or
     64 rows: the longest component at or under 32, or over) for a graph fed lengths (align 1) and one fed a
-    mask (with and without the first-column row). A stream of HF bert-base batches compiled one inside a
-    capture (CoLA B=128; H100, 2026-11-25)."""
+    mask (with and without the first-column row): a variant compiled inside a capture stalls the stream (HF
+    bert-base, CoLA B=128 on an H100, benchmarks/stream_table.py)."""
     variants = {(m, 1, False, False) for m in (32, 64)} | {(m, 1, True, f) for m in (32, 64) for f in (False, True)}
     jobs = [
         functools.partial(

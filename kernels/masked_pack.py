@@ -1,6 +1,6 @@
 """Padded <-> ragged copies driven by a key padding mask on the device: any padding pattern, no host lengths.
 
-A mask-only batch whose lengths are never read runs a ragged graph (autoragged/runtime/capture.py, io="mask")
+A mask-only batch whose lengths are never read runs a ragged graph (autoragged/graphs/capture.py, "mask")
 that packs the batch's real tokens back to back: row b's real tokens (mask False), in order, go to
 values rows offsets[b], offsets[b] + 1, ..., where the graph's layout kernel counted the offsets from the
 same mask (kernels/graph_layout.py). Ranks come from prefix sums of the mask inside each program, so
@@ -131,8 +131,8 @@ def pack_masked(args, values, offsets, batch: int, width: int, first_column: boo
 
 def unpack_masked(args, values, offsets, batch: int, width: int, first_column=False, fits: bool = False) -> None:
     """Scatter `values` into the padded output `args` points at, zeros at pads (module docstring). fits: the
-    caller guarantees the batch's rows fit in `values` though it has fewer than `batch` x `width` (the branch of
-    a mask graph whose predicate took it for a rung of rows: runtime/capture.py, `_Rungs`)."""
+    caller guarantees the batch's rows fit in `values` though it has fewer than `batch` x `width` (the graphs
+    pass False: their values hold `batch` x `width` rows)."""
     _launch(args, values, offsets, batch, width, unpack=True, first_column=first_column, fits=fits)
 
 

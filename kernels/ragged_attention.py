@@ -15,9 +15,9 @@ Key tiles wholly outside a block's window are never visited (a block of BLOCK_M 
 (BLOCK_M + left + right) / BLOCK_N tiles); tiles wholly inside it for every row of the block run unmasked.
 `window_from_hf` turns a transformers `config.sliding_window` into (left, right); see its docstring.
 GQA and windows are constexpr features: with Hkv = H and no window, the plain and causal kernels' PTX
-instructions equal those of the kernel before them (benchmarks/attention_ptx.py --against 0e5d9e1, sm_90a,
-Triton 3.9, 2026-11-24); only two unused int arguments are added. Query-only rows (`key_lengths`) are a
-constexpr feature too: off, the kernel takes one more pointer and never reads it.
+instructions equal those of a kernel without them, on sm_90a (benchmarks/diagnostics/attention_ptx.py); only
+two unused int arguments are added. Query-only rows (`key_lengths`) are a constexpr feature too: off, the
+kernel takes one more pointer and never reads it.
 
 Shape contracts
     q:              (T, H, Dh) values of one layout; any strides on T and H, stride 1 on Dh
@@ -27,10 +27,10 @@ Shape contracts
     key_lengths:    optional (B,), int32 <= lengths — keys of each component: its first key_lengths rows
                     are keys and queries, the rest queries only (they see the keys, no key sees them).
                     A first-token pooler's column 0 of a left-padded row, a pad the original computes
-                    and then pools (runtime/capture.py, io="mask"). Not causal, no window; at least
+                    and then pools (autoragged/graphs/capture.py, "mask"). Not causal, no window; at least
                     1 wherever lengths is (a query with no key has no softmax).
     grid_mapping:   (P,), int32 — component of query block p; P = sum ceil(lengths / BLOCK_M), or more
-                    with entries -1 for spare programs (a grid sized for a CUDA-graph bucket)
+                    with entries -1 for spare programs (a grid sized for a CUDA graph's capacity)
     block_offsets:  (B + 1,), int32 — first query block of each component (prefix sum of blocks)
     out:            (T, H, Dh); real rows, and zeros on the gap rows of each component's last query
                     block (all gap rows when align <= BLOCK_M); rows outside every extent untouched
@@ -132,7 +132,7 @@ def _ragged_attn_fwd_kernel(
     pid = tl.program_id(0)
     head = tl.program_id(1)
     comp = tl.load(grid_mapping + pid)
-    if comp >= 0:  # -1: a spare program of a grid sized for a bucket (CUDA graphs), nothing to do
+    if comp >= 0:  # -1: a spare program of a grid sized for a CUDA graph's capacity, nothing to do
         block = pid - tl.load(block_offsets + comp)
         start = tl.load(offsets + comp).to(tl.int64)
         length = tl.load(lengths + comp)
@@ -216,10 +216,9 @@ CONFIGS = [
     for s in (1, 2, 3, 4)
 ]
 DEFAULT_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-# Head dim 256 (Gemma). ptxas -v on sm_90a (Triton 3.9 compiled on a CPU host, 2026-11-24; speed untimed):
-# bf16 64 x 32 tiles on 8 warps, 2 stages: 200 registers, no spill, 96 KB shared; on 4 warps 255 registers and a
-# spill; 64 x 64 tiles: 160 KB. fp32 (tf32 dots) 64 x 32 on 8 warps spills even at 1 stage (192 B); 32 x 64 on
-# 8 warps, 1 stage: 205 registers, no spill, 104 KB.
+# Head dim 256 (Gemma), the largest tiles that compile without a spill on sm_90a (ptxas -v,
+# benchmarks/diagnostics/attention_ptx.py; speed untimed): bf16 64 x 32 on 8 warps, 2 stages, 200 registers and
+# 96 KB shared (4 warps spill); fp32 (tf32 dots) 32 x 64 on 8 warps, 1 stage, 205 registers and 104 KB.
 _WIDE_CONFIG = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 _WIDE_FP32_CONFIG = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=1)
 _SMEM_BUDGET = 160 * 1024  # bytes of Q tile + pipelined K/V tiles (Hopper: 227 KB per block); exact for 2 bytes
@@ -412,8 +411,8 @@ def sibling_tiles(config: KernelConfig, head_dim: int, element_size: int) -> lis
 
 def compile_sibling_tiles(args: tuple, flags: dict, config: KernelConfig) -> None:
     """The first launch of a variant (flags, argument specialisation) outside a capture compiles its sibling
-    tiles in the background (kernels/_ahead.py): a stream of HF bert-base batches met the 32 x 32 tiles of a
-    short batch inside a CUDA-graph capture (CoLA B=128, 0.3-0.7 s; H100, 2026-11-25)."""
+    tiles in the background (kernels/_ahead.py): compiled inside a CUDA-graph capture, a short batch's 32 x 32
+    tiles stall a stream of HF bert-base batches 0.3-0.7 s (CoLA B=128 on an H100, benchmarks/stream_table.py)."""
     q = args[0]
     # per launch: a tuple and a set lookup (the argument specialisation is the launch's own, taken by the warmups)
     if not _ahead.first_sight(("attention", q.dtype, q.device, *flags.values()), q):

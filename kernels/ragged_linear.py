@@ -9,8 +9,8 @@ Two kernels compute it. On Hopper (and in the interpreter) tiles move through TM
 a persistent grid walks them in one flattened loop, so the loads of a program's next tile overlap the
 epilogue of its last (`_linear_tma_kernel`). Elsewhere, for tensors TMA cannot address (16-byte aligned
 base and row strides), and under torch.compile, the pointer kernel runs (`_linear_kernel`). In a CUDA
-graph with live rows on the H100 the TMA kernel's default tiles reached 0.60-1.12x cuBLAS's rate (geomean
-0.84x), the pointer kernel's 0.49-1.01x (geomean 0.70x) (benchmarks/linear_tiles.py, 2026-11-23).
+graph with live rows on an H100 the TMA kernel's default tiles reach geomean 0.84x cuBLAS's rate, the pointer
+kernel's 0.70x (benchmarks/diagnostics/linear_tiles.py).
 
 Shape contracts
     x:       (T, K), stride 1 on K
@@ -200,14 +200,14 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
     return smem <= 200 * 1024
 
 
-# The default tiles by rows, measured in a CUDA graph with `live` rows (`python benchmarks/linear_tiles.py`,
-# H100, 2026-11-23, the TMA kernel on the CoRa 512/2048 and BERT-base 768/3072 linears at 400-16384 rows):
-#   rows <= 1024: m64n64k128w4s3, within 0-15% of the best of 8 tilings (median 3.5%);
-#   rows <= 4096: m64n128k64w4s4, within 0-9% (median 1.8%);
+# The default tiles by rows, each within 0-15% of the best of 8 tilings: the TMA kernel in a CUDA graph with `live`
+# rows on an H100, on the CoRa 512/2048 and BERT-base 768/3072 linears at 400-16384 rows
+# (benchmarks/diagnostics/linear_tiles.py):
+#   rows <= 1024: m64n64k128w4s3; rows <= 4096: m64n128k64w4s4;
 #   more rows: m128n256k64w8s3, one program per SM, where its tiles fill at least 3/4 of their last wave,
-#   else the mid tiles: within 0-11% (median 0.3%). N = 512 at 9000 rows is 142 large tiles on 132 SMs
-#   (2 waves at 54%): the mid tiles took 14.7 and 40.9 us there, the large ones 17.6 and 49.0.
-# Against cuBLAS the defaults take 1.03-1.66x its time at 1600-9000 rows: the cuBLAS arms stay.
+#   else the mid tiles (N = 512 at 9000 rows is 142 large tiles on 132 SMs, 2 waves at 54%: the mid tiles 1.2x
+#   faster there).
+# Against cuBLAS the defaults take 1.03-1.66x its time at 1600-9000 rows: the eager arm keeps cuBLAS linears.
 _SMALL_ROWS, _MID_ROWS = 1024, 4096
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
@@ -374,15 +374,12 @@ def ragged_linear(
 
 # -- the other row buckets' tiles, compiled off the caller's path -------------------------------------------------
 # The tiles are constexprs, so a batch whose rows fall in a bucket of `default_config` not seen yet needs another
-# compiled variant of the TMA kernel: compiled on first sight, that took 0.66 s inside a timed stream of new
-# batches (bert-base's graph fed the mask captured for RACE B=32 after CoLA and MNLI had run,
-# `benchmarks/stream_table.py --quick --models bert-base`, H100, 2026-11-25: 17.0 ms a batch against 5.8 with
-# lengths=). So the first launch of a variant (dtype, flags, N and K) outside a graph capture hands the other
-# buckets' tiles to one background thread, which compiles them without launching (Triton's `warmup`: no module
-# is loaded; the descriptors are of 16-row tensors the caller's thread allocates, M not being specialized on); a
-# launch that comes before its compile has finished compiles it itself. After: no compile inside any of the six
-# streams of that benchmark (RACE B=32 6.9 ms a batch, its capture 54 ms); the CoRa short rows unchanged in an A/B
-# (0.538 and 0.527 against 0.545 ms, `benchmarks/results/cora_ab_siblings_*.json`).
+# compiled variant of the TMA kernel: compiled on first sight inside a graph capture, it costs a stream of new
+# batches 0.66 s (bert-base, RACE B=32 on an H100, benchmarks/stream_table.py). So the first launch of a variant
+# (dtype, flags, N and K) outside a graph capture hands the other buckets' tiles to one background thread, which
+# compiles them without launching (Triton's `warmup`: no module is loaded; the descriptors are of 16-row tensors
+# the caller's thread allocates, M not being specialized on); a launch that comes before its compile has finished
+# compiles it itself.
 _BUCKET_TILES = (_SMALL, _MID, _LARGE)
 _VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 

@@ -99,7 +99,7 @@ def _unpack_kernel(
     start = tl.load(offsets_ptr + b)
     length = tl.load(lengths_ptr + b)
     if INDIRECT:
-        # ARG_L, and ARG_B: the bucket's spare components (b >= ARG_B) write nothing
+        # ARG_L, and ARG_B: the graph's spare components (b >= ARG_B) write nothing
         L_out = tl.where(b < tl.load(dst_ptr + 6), tl.load(dst_ptr + 7), 0).to(tl.int32)
         stride_db = tl.load(dst_ptr + 4)  # ARG_DST_SB
         stride_dl = tl.load(dst_ptr + 5)  # ARG_DST_SL

@@ -91,9 +91,8 @@ log = logging.getLogger("autoragged")
 # Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
 # pictures, and any query of single batches, read them); older ones are added up into decision_totals and
 # decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). 20,000 rows and
-# their indexes took 12 MB of file per module (benchmarks/soak.py, CPU, 2026-11-24: 1M batches, the file flat
-# at 12.0-12.2 MB from 50k batches on), and the report's decision map draws at most 20,000 points anyway
-# (report._MAX_MAP_POINTS).
+# their indexes take 12 MB of file per module, flat over 1M batches (benchmarks/soak.py), and the report's
+# decision map draws at most 20,000 points anyway (`autoragged.report._MAX_MAP_POINTS`).
 KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
 DEFAULT_KEEP_DECISIONS = 20_000
 _warned_keep: set[str] = set()
@@ -468,7 +467,7 @@ class TuningDB:
         pairs: Iterable[tuple[str, str]] | None = None,
     ) -> int:
         """Keep the newest `keep` decisions of each (device, signature) and add the older ones up, in one
-        transaction: `rollup(decisions)` makes their totals (autoragged's `_rollup.rollup`: this package does not
+        transaction: `rollup(decisions)` makes their totals (autoragged's `report.rollup.rollup`: this package does not
         know arm labels or planner buckets), which are added into decision_totals / decision_buckets, and the
         rows are deleted. pairs: the (device, signature) pairs to look at (default: all). Rows too damaged to
         read are deleted without being counted. Returns the number of decisions pruned."""

@@ -146,10 +146,10 @@ def config_key(config: dict[str, Any] | None) -> str:
 class Decision:
     """One batch's choice, as the runtime made it.
 
-    time: unix seconds; device, signature: keys (`DeviceKey.key`, `ModuleSignature.key`); arm: "padded"
-    or "ragged" (or a graph-replayed variant, "padded_graph" / "ragged_graph"); config: the ragged arm's
-    KernelConfig as a dict (None for padded); predicted_ms: predicted latency per arm label;
-    reason: why this arm (e.g. "cost model", "prior", "forced by policy", "attn_mask not supported");
+    time: unix seconds; device, signature: keys (`DeviceKey.key`, `ModuleSignature.key`); arm: "padded",
+    "ragged" or "ragged_graph" (replayed as a CUDA graph; older rows may name "padded_graph"); config: the
+    ragged arm's KernelConfig as a dict (None for padded); predicted_ms: predicted latency per arm kind;
+    reason: why this arm (e.g. "predicted: cost model (prior)", "policy=padded", "autocast");
     measured_ms: filled in later when the batch was sampled for timing.
     """
 

@@ -23,15 +23,16 @@ class Body:
     batch_first:    the padded tensor the ragged arm packs is (B, L, D) (else (L, B, D))
     d_model, head_dim
     has_dropout:    training mode then runs padded
-    fused:          the layers run as fused-encoder specs (so Triton linears are an option for graphs)
+    fused:          the layers run as fused-encoder specs (so a graph's Triton linears can run them)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
                     fed a mask computes a left-padded row's column 0 as a query-only row (kernels/masked_pack.py)
     embeds_in_graph: the ragged graphs (fed a mask or host lengths) may compute the embeddings themselves from
                     the call's token ids (`Call.graph_inputs`): the host launches no embedding step before the
                     replay
-    padded_forward: None, or fn(module, x, mask) -> padded output, the padded arm as a CUDA graph captures it
-    memo:           what, with the bucket rows, keys the ragged graph's row choice (graphs.py `_ROW_CHOICE`)
+    padded_forward: None, or fn(module, x, mask) -> padded output: the padded arm on a padded tensor and its
+                    mask (the runtime does not call it)
+    memo:           the model's (d_model, ff, layers) (the runtime does not read it)
     causal:         its batches are causal (a decoder): the eager arm keeps its packed rows, and `warmup` warms
                     no cuBLAS rungs for it (runtime/core.py `_eager_rows`)
     """
@@ -62,9 +63,8 @@ class Body:
         raise NotImplementedError
 
     def layer_linears(self) -> list:
-        """The linears of one layer as (weight, bias, cuBLAS epilogue activation or None) (`_encoder.layer_linears`),
-        where the layers are alike: a number of rows is timed on them (`runtime.graphs.branch_rows`). Empty: not
-        known, nothing is timed."""
+        """The linears of one layer as (weight, bias, cuBLAS epilogue activation or None) (`encoder.layer_linears`),
+        where the layers are alike; empty where not known. The runtime does not call it."""
         return []
 
     def values(self, x: torch.Tensor, layout, config, causal: bool, hidden: list | None = None) -> torch.Tensor:
@@ -97,7 +97,7 @@ class Call:
                   runs ragged
     reason:       why this call must run padded (a family fact: an argument the ragged arm lacks), or None
     passthrough:  why the wrapper does not run this input at all (then `original` runs it), or None
-    eager_only:   why the graph arms cannot run this call (then the eager ragged arm does), or None
+    eager_only:   why the graph arm cannot run this call (then the eager ragged arm does), or None
     wants_hidden: the ragged arm must return every layer's output too
     device, dtype, requires_grad: of the input, against the module's parameters
     x:            the padded tensor the ragged arm packs (computed on first use)
@@ -126,8 +126,8 @@ class Call:
         return None
 
     def prefetch(self) -> None:
-        """Queue device work the ragged arms will need, before the host blocks on reading the mask's lengths
-        (so the GPU has it while the host waits); a no-op unless the family has such work."""
+        """Queue device work the ragged arms will need (the runtime does not call it); a no-op unless the family
+        has such work."""
 
     def padded(self, module, lens: tuple[int, ...], stats):
         """The padded arm's output for this call (host lengths known)."""
@@ -143,7 +143,7 @@ class Call:
         return y
 
     def finish_padded(self, y):
-        """The module's output from a padded graph's result."""
+        """The module's output from a padded result (the runtime does not call it)."""
         return y
 
     def graph_inputs(self):

@@ -11,7 +11,7 @@ Per layer (post-norm), the ragged arm launches: the q/k/v linear(s), attention, 
 ff1 linear (+ relu / exact gelu fused; another activation runs after it), ff2 linear, add+LayerNorm. Pre-norm
 layers fuse the residual add that ends one layer into the LayerNorm that starts the next (and into the final
 norm). Linears take the arm's backend: cuBLAS, or our Triton kernel, which stops at the rows the batch fills
-(`Layout.live`) inside a CUDA graph sized for a bucket.
+(`Layout.live`) inside a ragged CUDA graph sized for its batch size and width.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ _CUBLAS = KernelConfig(backend="cublas")
 
 
 def layer_linears(spec: EncoderLayerSpec) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
-    """The linears one layer runs, as (weight, bias, activation in cuBLAS's epilogue or None): what picks
-    cuBLAS's kernels for a number of rows (`runtime.graphs.branch_rows`). A gelu runs after the product
-    (`kernels.ragged_linear.cublas_linear`), so it is left out."""
+    """The linears one layer runs, as (weight, bias, activation in cuBLAS's epilogue or None) (`Body.layer_linears`).
+    A gelu runs after the product (`kernels.ragged_linear.cublas_linear`), so it is left out."""
     act = "relu" if spec.activation == "relu" else None
     return [*((w, b, None) for w, b in spec.qkv), (*spec.out, None), (*spec.ff1, act), (*spec.ff2, None)]
 

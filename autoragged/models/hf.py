@@ -284,7 +284,7 @@ class HFCall(Call):
         hidden = kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
         self.wants_hidden = bool(hidden)
         if self.wants_hidden:
-            self.eager_only = "hidden states asked for (the graph arms return the last one only)"
+            self.eager_only = "hidden states asked for (the graph arm returns the last one only)"
         if not isinstance(first, torch.Tensor) or first.dim() != (2 if ids is not None else 3) or first.is_nested:
             self.passthrough = "input is not a batched (B, L) input_ids or (B, L, D) inputs_embeds tensor"
             self.B = self.L = 0
@@ -343,9 +343,8 @@ class HFCall(Call):
         return self._x
 
     def prefetch(self) -> None:
-        """The embeddings, queued before the mask read where the graphs do not compute them (the runtime calls
-        this only then): after it, the host has less to launch before the arm (if the padded arm wins, the model
-        computes its own and these were a few wasted launches)."""
+        """The embeddings the ragged arm packs, computed and kept (`Call.prefetch`; the runtime does not call
+        it)."""
         if self.reason is None and self.passthrough is None:
             self.x  # noqa: B018 - computed and kept
 

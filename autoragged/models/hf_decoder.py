@@ -12,28 +12,27 @@ The ragged arm unpads once and repads once:
   ones), GPT-2's learned positions from the original's `position_ids` (arange(L) for every row unless given,
   so a left-padded row's positions are shifted in the original too, and here);
 - Llama-style layers (Llama, Mistral, Qwen2, Qwen3 with their own RMSNorm, linear and silu modules) run by
-  our kernels (adapters/_fused_decoder.py): the model's linear weights through cuBLAS on packed rows, fused
+  our kernels (fused_decoder.py): the model's linear weights through cuBLAS on packed rows, fused
   add + RMSNorm, rotary and silu * up kernels rounded as HF's modules round, our causal varlen attention;
   other layers (Gemma, Phi-3, GPT-2, anything replaced or unknown: `body.unfused` says why) run as the model's
   own decoder layer modules on the packed real tokens (1, rows, D), with our causal varlen kernel as their
-  attention through transformers' attention interface (adapters/_hf.py). Grouped-query and multi-query heads
+  attention through transformers' attention interface (hf.py). Grouped-query and multi-query heads
   pass straight to the kernel, sliding windows (Mistral, Qwen2/3 sliding layers, Phi-3) as the modules pass
   them;
 - rotary embeddings computed by the model's own `rotary_emb` on the position ids the original derives for
   the padded input (arange(L), or the call's `position_ids`), then gathered for each packed row from its
-  padded column: bit-identical cos/sin for every padding side and rope type. The CUDA-graph arms (right
-  padding, default positions, static rope types only) count each row's position from the lengths, which is
-  the same thing there;
+  padded column: bit-identical cos/sin for every padding side and rope type;
 - the final norm; last_hidden_state and every hidden state repadded (zeros at pads).
+
+No CUDA graph runs a decoder (its body is not `fused`): a batch takes the padded arm or the eager ragged one.
 
 KV cache: a call that asks for one (`use_cache=True`, which most configs default to, so a plain
 `model(input_ids, attention_mask)` asks too; `generate()`'s prefill with its empty `DynamicCache`) gets the
 cache the padded arm returns: a `DynamicCache(config=...)` filled layer by layer with the ragged arm's own
 keys and values, repadded to (B, Hkv, L, Dh) (post-rotary keys, as the original caches them; zeros at pad
 positions, where the original holds the pads' keys, which the mask hides from every later step). Building it
-costs a (B, L)-sized copy per layer and the cache's memory, as in the original; such calls run the eager
-ragged arm (the graph arms return no cache). Pass `use_cache=False` for scoring to skip it. A cache that
-already holds tokens (decoding steps) runs padded with that reason.
+costs a (B, L)-sized copy per layer and the cache's memory, as in the original. Pass `use_cache=False` for
+scoring to skip it. A cache that already holds tokens (decoding steps) runs padded with that reason.
 
 A `RaggedTensor` of token ids as `input_ids` (values (rows,) int, each component one sequence from position 0)
 runs packed with no padded tensor at all: the output's last_hidden_state (and hidden states) are
@@ -65,8 +64,8 @@ from . import sentence as _sentence
 __all__ = ["ADAPTER", "FAMILIES"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Llama-style layers run by our fused kernels where they can (adapters/_fused_decoder.py); False: always the
-# model's own modules (the bins_modules column of benchmarks/llm_table.py, and benchmarks/llm_layers.py)
+# Llama-style layers run by our fused kernels where they can (fused_decoder.py); False: always the model's own
+# modules (benchmarks/diagnostics/llm_layers.py compares the two)
 FUSED_LAYERS = True
 
 
@@ -110,7 +109,7 @@ class Family:
     rotary: bool = True  # layers take position_embeddings=(cos, sin) from base.rotary_emb
     token_types: bool = False  # the base model takes token_type_ids
     unsupported: str | None = None  # why the ragged arm never runs this family
-    # Llama-style layers our fused kernels may run (adapters/_fused_decoder.py): attention module -> its sliding
+    # Llama-style layers our fused kernels may run (fused_decoder.py): attention module -> its sliding
     # window or None, as the module passes it to the attention interface; None: the family's layers never do
     window_of: Callable | None = None
 
@@ -172,8 +171,8 @@ class HFDecoderBody(_hf.HFBody):
         )
         rotary = getattr(module, "rotary_emb", None) if family.rotary else None
         self.rope_type = getattr(rotary, "rope_type", "default") if rotary is not None else None
-        # frequencies that depend on the batch's largest position (a host read of it, and not the same for a
-        # graph's bucket): eager arms only, on the original's position table
+        # frequencies that depend on the batch's largest position (a host read of it): eager arms only, on the
+        # original's position table
         self.dynamic_rope = self.rope_type is not None and ("dynamic" in self.rope_type or self.rope_type == "longrope")
         self.static_reason = self._static_reason(module)
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
@@ -303,7 +302,7 @@ class HFDecoderCall(_hf.HFCall):
             elif body.dynamic_rope:
                 self.eager_only = f"{body.rope_type} rotary embeddings (frequencies depend on the batch's positions)"
             elif self.use_cache:
-                self.eager_only = "a KV cache is built (pass use_cache=False for scoring: the graph arms return none)"
+                self.eager_only = "a KV cache is built (pass use_cache=False for scoring: the graph arm returns none)"
 
     def _decoder_reason(self, body) -> str | None:
         kwargs = self.kwargs
@@ -357,7 +356,7 @@ class HFDecoderCall(_hf.HFCall):
         hidden = kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
         self.wants_hidden = bool(hidden)
         if self.wants_hidden:
-            self.eager_only = "hidden states asked for (the graph arms return the last one only)"
+            self.eager_only = "hidden states asked for (the graph arm returns the last one only)"
         others = {k: v for k, v in kwargs.items() if k not in ("input_ids", "use_cache") and v is not None}
         self.kwargs = {"input_ids": ids, **others}
         self.reason = super()._unsupported(config, hidden)

@@ -16,12 +16,12 @@ The ragged arm unpads once and repads once:
 
 Two ways to run the layers:
 - fused (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ALBERT, DistilBERT): each layer as a spec of the
-  fused ragged encoder (autoragged/_encoder.py) over the layer's own parameters, the same kernels as the
-  PyTorch encoder: cuBLAS or Triton linears, our varlen attention, fused add+LayerNorm; every graph arm,
-  the mask-only graph included (its Triton linears stop at the rows the device counts);
+  fused ragged encoder (models/encoder.py) over the layer's own parameters, the same kernels as the
+  PyTorch encoder: cuBLAS or Triton linears, our varlen attention, fused add+LayerNorm; the eager arm and
+  the ragged graph, fed a mask or host lengths (its Triton linears stop at the rows the device counts);
 - modules (ModernBERT: pre-norm, GeGLU, rotary, local windows): the model's own layer modules on (1, rows, D),
-  with our varlen kernel as their attention through transformers' attention interface (adapters/_hf.py),
-  rotary positions counted within each sequence; eager and cuBLAS graphs.
+  with our varlen kernel as their attention through transformers' attention interface (hf.py),
+  rotary positions counted within each sequence; the eager arm only (no graph: the linears are the model's).
 MPNet and DeBERTa do not route attention through the interface (a relative-position bias inside their
 attention): wrapped, they always run padded, with that reason.
 """
@@ -166,7 +166,7 @@ class Family:
     output: type  # the ModelOutput class the base model returns
     pool: object = None  # (base, padded last hidden state) -> pooler_output, or None
     unsupported: str | None = None  # why the ragged arm never runs this family
-    qkv: object = None  # base -> each layer's (q, k, v) nn.Linears, laid out as one product (adapters/_qkv.py)
+    qkv: object = None  # base -> each layer's (q, k, v) nn.Linears, laid out as one product (qkv.py)
 
 
 _BERT = Family(
@@ -229,7 +229,7 @@ class HFEncoderBody(_hf.HFBody):
         # ModernBERT's local windows and rotary positions see that pad at its column: its left padding runs padded
         self.mask_graph = self.fused
         self.first_column = self.fused
-        # the mask graph runs the model's own embedding module on static token ids (runtime/capture.py)
+        # the ragged graph runs the model's own embedding module on static token ids (graphs/capture.py)
         self.embeds_in_graph = self.fused
         embeddings = getattr(module, "embeddings", None)
         self.embeds_token_types = getattr(embeddings, "token_type_embeddings", None) is not None
@@ -245,7 +245,7 @@ class HFEncoderBody(_hf.HFBody):
             dtype=str(self.probe().dtype).replace("torch.", ""), final_norm=family.layers is None,
         )  # fmt: skip
         self.memo = (d_model, ff, self.sig.layers)
-        # one q/k/v product per layer: the three parameters become views of one buffer (adapters/_qkv.py)
+        # one q/k/v product per layer: the three parameters become views of one buffer (qkv.py)
         fusable = family.qkv is not None and family.layers is not None and self.static_reason is None
         self._qkv = FusedQKV(family.qkv(module)) if fusable else None
 

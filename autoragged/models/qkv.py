@@ -2,10 +2,8 @@
 
 HF's BERT family keeps three (D, D) linears per layer. On a packed batch of a few hundred tokens the ragged arm
 then runs three small GEMMs, mostly launch and latency: in a CUDA graph on an H100, three (M, 768) x (768, 768)
-products took 13.9 us against 7.2 for one (768 -> 2304) at M = 416, 19.0 against 13.1 at 1,900, 31.5 against 26.8
-at 4,500, and 275 against 283 at 46,000, where one product is no faster (D = 384: 12.3 against 5.1 us at M = 416;
-`python benchmarks/qkv_products.py`, 2026-11-26, `qkv_products_h100.json`). PyTorch's `nn.MultiheadAttention`
-keeps one in-projection too.
+products took 13.9 us against 7.2 for one (768 -> 2304) at M = 416; by 46,000 rows one product is no faster
+(benchmarks/diagnostics/qkv_products.py). PyTorch's `nn.MultiheadAttention` keeps one in-projection too.
 
 `FusedQKV.fuse` copies a layer's three weights (and biases) into one (3 D, D) buffer (and one (3 D,)) and makes
 each parameter a view of its block (`param.data = block`). The parameters stay the same objects with the same
@@ -19,7 +17,7 @@ The views can be undone behind our back: `.to()`, `.half()` or `param.data = t` 
 storage of its own. `FusedQKV.layers` compares the parameters' data pointers with those the buffers hold (we keep
 the buffers alive, so no other tensor can own those addresses) on every eager run and capture: where one moved,
 it lays the layer out again (not inside a CUDA-graph capture, which then runs the three products), and the
-runtime's graphs, whose parameter pointers moved too, are dropped and recaptured (runtime/graphs.py).
+runtime's graphs, whose parameter pointers moved too, are dropped and recaptured (graphs/cache.py).
 """
 
 from __future__ import annotations

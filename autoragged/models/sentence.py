@@ -13,7 +13,7 @@ input module (`model[0]`, sentence-transformers' `Transformer`) gets two instanc
 
 Tokenizing itself: a fast tokenizer's own `__call__` turns the Rust encodings into Python lists, checks them
 token by token and builds tensors from the lists, which took more host time than the tokenizing
-(`benchmarks/hf_table.py --encode`). `_call_single_modality_processor` (sentence-transformers 6) gets an
+(benchmarks/encode.py). `_call_single_modality_processor` (sentence-transformers 6) gets an
 instance attribute that, for plain text (or text pairs) and the call kwargs ST passes, sets the backend's
 truncation and padding exactly as the tokenizer's `__call__` does, encodes with the same backend and builds
 the same tensors from the encodings with numpy. Its first `_CHECKS` batches also run the tokenizer's own

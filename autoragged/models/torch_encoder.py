@@ -4,7 +4,7 @@
 `DispatchingTransformerEncoderLayer`): same object, same parameters, same `state_dict` keys, same hooks,
 `isinstance` still true; `uninstall` puts the class back. The padded arm is the module's own forward (its
 output's padded positions zeroed); the ragged arm runs its layers as specs of the fused ragged encoder
-(autoragged/_encoder.py).
+(models/encoder.py).
 
 forward(src, mask=None, src_key_padding_mask=None, is_causal=None, *, lengths=None): `src` may also be a
 RaggedTensor (then the result is one); `lengths` are host ints (B) that make the mask optional.

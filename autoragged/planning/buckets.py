@@ -14,7 +14,7 @@ __all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_row
 
 # Bumped whenever what a graph arm computes changes: its measurements under another version describe other work,
 # and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
-# 4: one ragged graph per batch size and `mask_width`, Triton linears (no cuBLAS ragged graph, no padded graph).
+# 4: one ragged graph per batch size and `mask_width`, with Triton linears.
 LADDER_VERSION = 4
 
 
@@ -29,7 +29,7 @@ def ladder(n: int, *, floor: int, multiple: int, steps: int = 4) -> int:
 @functools.lru_cache(maxsize=4096)
 def ragged_bucket(rows: int, batch: int, max_len: int) -> tuple[int, int, int]:
     """(rows on a ladder of 8 rungs per octave, components and max_len to powers of two): how a cost-model feature
-    describes the packed batch (`_costmodel.features`)."""
+    describes the packed batch (`costmodel.features`)."""
     return ladder(rows, floor=256, multiple=128, steps=8), next_pow2(max(batch, 1)), next_pow2(max(max_len, 1))
 
 
@@ -56,13 +56,10 @@ _CUBLAS_BLOCK = 1024
 def cublas_rows(rows: int) -> int:
     """The rows the eager ragged arm gives its cuBLAS linears for a batch of `rows` packed rows; the spare rows
     belong to no sequence and nothing reads them. cuBLAS pays a first call per problem shape (its heuristic
-    query): on the H200 host (CUDA 13.0, 2026-11-26) an fp16 `F.linear` on a row count never seen before took
-    0.14-0.30 ms of host time (median over 40 new counts per weight shape, 3-5 ms at worst) against 19-33 us
-    on one seen before (`benchmarks/cublas_rows.py`). A stream of new batches brings a new token count every
-    batch, so every eager run paid it per weight shape. Up to 8,192 rows: the ragged graph's rung (8 per
-    octave, at most ~9% spare; the graph captures of a rung pay its first calls too). Beyond, where the
-    linears' time grows with the rows and the graph's rung cost the latency table's eager rows 7-9% (bert-base,
-    RACE B=64/128 and Wiki512 B=64), whole blocks of 1,024 rows: at most 12.5% spare at 8K rows, 2.5% at 40K."""
+    query): an fp16 `F.linear` on a row count never seen before took 0.14-0.30 ms of host time against 19-33 us
+    on one seen before on an H200 (benchmarks/diagnostics/cublas_rows.py), and a stream brings a new token count
+    every batch. Up to 8,192 rows: a ladder of 8 rungs per octave (at most ~9% spare). Beyond, where the linears'
+    time grows with the rows, whole blocks of 1,024 rows: at most 12.5% spare at 8K rows, 2.5% at 40K."""
     if rows <= _CUBLAS_LADDER_ROWS:
         return ladder(rows, floor=256, multiple=128, steps=8)
     return -(-rows // _CUBLAS_BLOCK) * _CUBLAS_BLOCK

@@ -31,13 +31,15 @@ __all__ = [
 ]
 
 
+# The arm kinds a measurement may name. The runtime runs "padded", "ragged" and "ragged_graph"; "padded_graph" (the
+# padded forward captured as a graph) is priced only so that the rows of older databases still parse.
 KINDS = ("padded", "ragged", "padded_graph", "ragged_graph")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One way to run a batch. kind: one of KINDS ("_graph": replayed as a CUDA graph of its shape
-    bucket); config: the ragged arms' knobs (None for the padded ones)."""
+    """One way to run a batch. kind: one of KINDS ("_graph": replayed as a CUDA graph); config: the ragged
+    arms' knobs (None for the padded ones)."""
 
     kind: str
     config: KernelConfig | None = None
@@ -83,7 +85,7 @@ def work(sig: ModuleSignature, stats: BatchStats, arm: Arm) -> Work:
     else:
         c = arm.config
         rows = stats.total + B * (c.align - 1) / 2  # alignment gaps, on average half an align each
-        if arm.graph and c.backend == "cublas":  # cuBLAS computes the bucket's spare rows too (Triton stops)
+        if arm.graph and c.backend == "cublas":  # (older rows) cuBLAS linears compute the bucket's spare rows too
             rows = float(ragged_bucket(int(rows), B, L)[0])
         # each component's queries round up to block_m and its keys to block_n
         attn = stats.sum_sq + (c.block_m + c.block_n) / 2 * stats.total + c.block_m * c.block_n / 4 * B
@@ -100,15 +102,11 @@ FEATURE_NAMES = (
     "log2_rows", "log2_linear_gflop", "log2_attention_gflop", "log2_mbytes",
     "log2_d_model", "log2_ff", "heads", "layers", "dtype_bytes", "padded_nested",
     "ragged", "block_m", "block_n", "num_warps", "num_stages", "align", "cublas", "graph",
-    # the batch as each graph arm would run it, on every row: the trees compare the two graph arms
-    # directly (they were most of the held-out mistakes without these: H100, 2026-11-22)
+    # the batch as a bucketed arm would run it, on every row: the trees compare arms on one batch directly
     "log2_padded_bucket_rows", "log2_ragged_bucket_rows", "bucket_rows_ratio", "log2_sum_sq",
     "log2_padded_bucket_attention",
-    # the spare rows cuBLAS computes in the ragged graph's bucket, over the real rows: the work the eager
-    # arm saves against the graph, which decides between them on large batches (the trees cannot take
-    # the difference of log2_rows and log2_ragged_bucket_rows themselves). Refit on CPU from the H100
-    # calibration of 2026-11-23, held out: choosing among every arm, accuracy 74.7% -> 77.8% and total time
-    # 1.0160x -> 1.0117x the oracle's; among the planner's arms (not Arm.mask_only), 93.7% -> 93.9%
+    # the ragged bucket's spare rows over the real rows: the trees cannot take the difference of log2_rows and
+    # log2_ragged_bucket_rows themselves (held out on an H100 calibration: decision accuracy 74.7% -> 77.8%)
     "graph_spare_rows",
 )  # fmt: skip
 
@@ -151,9 +149,9 @@ class AnalyticPrior:
     """Latency = launches + FLOPs / rate + bytes / bandwidth, with rough per-device-kind rates.
 
     Used until a calibration for this device exists (and always as the baseline the learned model
-    corrects). On CUDA the rates scale with the SM count from H100-measured values (2026-11-22,
-    benchmarks/kernels.py: ~400 TFLOP/s fp16 linears at large T, ~200 ragged attention, ~100 padded
-    SDPA with a mask); launch costs are per layer of eager PyTorch or of our ragged chain.
+    corrects). On CUDA the rates scale with the SM count from H100-measured values (benchmarks/kernels.py:
+    ~400 TFLOP/s fp16 linears at large T, ~200 ragged attention, ~100 padded SDPA with a mask); launch
+    costs are per layer of eager PyTorch or of our ragged chain.
     """
 
     name = "prior"
@@ -179,25 +177,18 @@ class AnalyticPrior:
             self.ragged_launch_ms = 0.07
             self.fixed_ragged_ms = 0.03
             # A replayed graph costs a fixed part (the copies in and out, the replay call) and a part per
-            # layer: its kernels run back to back, a few microseconds each, however small the batch. What
-            # the rest of the prior leaves of the measured latency of batches of at most 64 tokens and 16
-            # sequences, fit per layer (least squares, the fixed part set to 0.02 ms), on the H100
-            # calibration of 2026-11-23 (tune_budget9_planner, 52 such batches of 6-, 12- and 24-layer
-            # encoders): 0.051 ms for the padded graph, 0.032 for the cuBLAS ragged one (its bucket's FLOPs
-            # take the rest) and 0.049 for the Triton one. With one constant for every depth (0.04 ms) the
-            # prior had a 12-layer encoder's tiny batches 2-4x faster on the padded graph than on the
-            # ragged one where they measured 1.1-1.5x slower, and the trees had to learn that back. Held
-            # out, refit on CPU: from the budget-8 calibration of that day (tune_budget8_rows), accuracy
-            # 91.6% -> 92.6% and mean regret 0.84% -> 0.50%; from the budget-9 one these constants come
-            # from, 94.7% -> 96.1% and 0.36% -> 0.16%.
+            # layer: its kernels run back to back, a few microseconds each, however small the batch. The
+            # per-layer parts are what the rest of the prior leaves of the latency of batches of at most 64
+            # tokens on an H100, fit by least squares over 6-, 12- and 24-layer encoders: 0.049 ms for the
+            # Triton ragged graph the runtime captures; 0.051 and 0.032 price the padded graph and the
+            # cuBLAS-linear ragged graph that older databases' rows name.
             self.graph_ms = 0.02
             self.padded_graph_layer_ms = 0.051
             self.ragged_graph_layer_ms = 0.032
             self.triton_graph_layer_ms = 0.049
-            # our Triton linear's rate against cuBLAS's in a graph, default tiles: geomean 0.70x (0.48-0.99) at
-            # 400-16K rows with the pointer kernel (benchmarks/linear_tiles.py, H100, 2026-11-23); the TMA kernel
-            # reaches 0.84x, which the learned residuals absorb. Stored models are residuals over this prior:
-            # changing it needs a FEATURE_VERSION bump, or their Triton-arm predictions shift silently.
+            # our Triton linear's rate against cuBLAS's, default tiles: geomean 0.70x at 400-16K rows on an H100
+            # (benchmarks/diagnostics/linear_tiles.py). Stored models are residuals over this prior: changing it
+            # needs a FEATURE_VERSION bump, or their Triton-arm predictions shift silently.
             self.triton_linear_share = 0.7
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:

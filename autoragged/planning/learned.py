@@ -5,12 +5,11 @@ this GPU departs from the physics (launch-bound regimes, tile quantisation, kern
 outside what was measured, predictions fall back to the prior's scaling instead of a flat tree value.
 
 Two forests of `HistGradientBoostingRegressor` trees on the physics-informed features of
-`_costmodel.features`: the absolute one predicts a reference arm's residual (the ragged graph with
-cuBLAS linears where graphs were measured, else the padded module), the relative one every arm's residual
-minus the reference's, fit on arms timed side by side on the same batch. Decisions rest on the relative
-forest: host jitter and clock drift move all arms of a batch together and cancel out of its ratios (on
-two H100 calibrations of 2026-11-23, held-out accuracy 78.8% -> 83.9% and 79.4% -> 80.2%, mean regret
-1.32% -> 0.97% and 1.30% -> 1.23%, against one absolute forest).
+`costmodel.features`: the absolute one predicts a reference arm's residual (the ragged graph where graphs
+were measured, else the padded module), the relative one every arm's residual minus the reference's, fit on
+arms timed side by side on the same batch. Decisions rest on the relative forest: host jitter and clock drift
+move all arms of a batch together and cancel out of its ratios (held-out accuracy 78.8% -> 83.9% against one
+absolute forest on an H100 calibration).
 Both weigh each timing by the inverse of its p10-p90 spread (`label_weights`): a noisy median is a noisy
 label. Both are exported to JSON arrays (feature, threshold, children, leaf values per node; no pickle) and
 evaluated with numpy, all trees and arms at once. scikit-learn is imported only to fit.
@@ -63,7 +62,7 @@ def beats_prior(metrics: dict[str, Any]) -> bool:
     """Whether a fit is adopted (the runtime decides with it rather than with the analytic prior it falls back to):
     its held-out mean regret, the time its picks cost over the fastest arm's, is not above the prior's on the same
     batches. Regret rather than accuracy: a pick that misses by 1% and one that misses by 2x are one miss each.
-    A `tune --quick` fit on a 2-core CPU was used, and lost held out: mean regret 35% against the prior's 25%.
+    A `tune --quick` fit on a 2-core CPU can lose held out (mean regret 35% against the prior's 25%).
     Without both numbers (no batch timed on several arms) nothing says the fit is worse, and it is adopted."""
     learned, prior = metrics.get("mean_regret"), metrics.get("prior_mean_regret")
     if not isinstance(learned, (int, float)) or not isinstance(prior, (int, float)):
@@ -179,7 +178,7 @@ class CompiledModel:
 
     def predict_ms(self, sig: ModuleSignature, stats: BatchStats, arms: list[Arm]) -> np.ndarray:
         """ms per arm. Finite leaves can still sum to an overflow: such an arm comes back inf or NaN (never an
-        exception), and the planner treats it as unpredicted (`Planner.plan`)."""
+        exception), and the planner treats it as unpredicted (`Planner.predict`)."""
         with np.errstate(over="ignore", invalid="ignore"):
             if self.relative is None:
                 return self.prior.predict_ms(sig, stats, arms) * np.exp(self.residual(features(sig, stats, arms)))
@@ -224,7 +223,7 @@ class CompiledModel:
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], device: DeviceKey | None = None) -> CompiledModel:
-        """Rebuild from a stored payload, validated (`_payload`: types, bounds, tree structure, finiteness,
+        """Rebuild from a stored payload, validated (`payload.py`: types, bounds, tree structure, finiteness,
         sizes); a PayloadError (a ValueError) says what is malformed. device: the device the runtime runs on
         (the prior's rates come from it rather than from the file); default the payload's own."""
         if not isinstance(payload, dict) or payload.get("kind") != KIND:
@@ -265,7 +264,7 @@ class _Rows:
     group: list[str]  # the batch a row was measured on ("" for traffic samples)
     family: list[str]
     arm: list[str]
-    choosable: np.ndarray  # bool: an arm the planner chooses from (not `Arm.mask_only`)
+    choosable: np.ndarray  # bool: an arm the planner chooses from (every measured arm)
     refs: dict[str, np.ndarray]  # per reference name: feature rows of that reference arm on each row's batch
     is_ref: dict[str, np.ndarray]  # per reference name: whether the row was a measurement of it
 
@@ -320,11 +319,9 @@ def _fit_trees(X: np.ndarray, y: np.ndarray, seed: int = 0, weight: np.ndarray |
 
 
 # A timing's weight in the fit is 1 / its relative p10-p90 spread, floored at 5%: a tiny batch's timings spread
-# by 16-45% of their median on the H100 host while a large one's spread by 2-4%, and a noisy median is a
-# noisy label. Refit on CPU from the H100 calibration of 2026-11-23 (495 batches, leave one family out):
-# strict accuracy 72.5% -> 74.7%, within noise 90.1% -> 90.7%, mean regret 2.12% -> 1.85% (floors of 2% and
-# 10% gave 74.9% / 1.84% and 73.9% / 1.99%). Rows of fewer than 3 timings (traffic samples) have no spread
-# to speak of and get the median weight.
+# by 16-45% of their median on an H100 while a large one's spread by 2-4%, and a noisy median is a noisy label
+# (held out on an H100 calibration, mean regret 2.12% -> 1.85%). Rows of fewer than 3 timings (traffic samples)
+# have no spread to speak of and get the median weight.
 _SPREAD_FLOOR = 0.05
 
 
@@ -475,10 +472,8 @@ def against_every_arm(
 
 
 # A config joins the shortlist only if it was timed against the default on at least 3 batches of the bucket and
-# lost on none by over 5%. With 2 batches and no worst case (before), the H100 calibration of 2026-11-23 (budget
-# 10, 810 batches) shortlisted 32/32 tiles for the CoRa encoder's max_len <= 512 bucket on two wins (0.885x,
-# 0.949x at 518 and 12,437 tokens) over one loss (1.157x at 16,510): the model then chose it for RACE at B=128
-# (about 47K tokens), where it took 1.35x forced eager ragged's time (cora_table_before_shortlist_rule.json).
+# lost on none by over 5%: a config shortlisted on two wins over one 1.16x loss was then chosen for RACE at B=128,
+# where it took 1.35x the default's time (benchmarks/cora_table.py).
 _SHORTLIST_MIN_BATCHES = 3
 _SHORTLIST_WORST = 1.05
 
@@ -555,12 +550,9 @@ def fit_cost_model(measurements: Sequence[Measurement], device: DeviceKey, seed:
 
 
 # scikit-learn's trees run on OpenMP threads, beside torch's own OpenMP pool in the same process, and a tree of
-# a few thousand rows gives each thread microseconds of work between barriers. On the 2-core CPU box with other
-# jobs running (load 3-9, 2026-11-24), one thread against the default two: the 46 measurements of a
-# `tune --quick` fit in 5.2-5.7 s against 10-121 s (CPU time 1.8 against 14-43 s); a refit of the H100
-# calibration tune_budget10_screened (4,172 measurements) in 65-72 s against 239 s (CPU 21 against 118 s),
-# the same model to the bit. The limit reaches only the OpenMP runtimes loaded when it is set, so
-# scikit-learn's is loaded first.
+# a few thousand rows gives each thread microseconds of work between barriers: on a busy 2-core CPU one thread
+# refit 4,172 measurements in 65-72 s against 239 s with two, the same model to the bit. The limit reaches only
+# the OpenMP runtimes loaded when it is set, so scikit-learn's is loaded first.
 def _one_thread():
     from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 
@@ -580,7 +572,7 @@ def _fit_and_evaluate(measurements: Sequence[Measurement], rows: _Rows, device: 
     prior_metrics = evaluate_choices(
         rows.prior[evaluated], rows.ms[evaluated], [g for g, e in zip(rows.group, evaluated) if e]
     )
-    # the trivial rule: always the reference arm (the cuBLAS ragged graph on a GPU), on the batches it was timed on
+    # the trivial rule: always the reference arm (the ragged graph on a GPU), on the batches it was timed on
     timed_ref = {g for g, r in zip(rows.group, rows.is_ref[reference]) if g and r}
     on = evaluated & np.array([g in timed_ref for g in rows.group], dtype=bool)
     always_metrics = evaluate_choices(

@@ -1,7 +1,7 @@
 """The calibrated cost model as the runtime sees it: read from the tuning database, lazily, once.
 
 The models table may come from a shared file, damaged or hostile: the newest row is read with its size capped
-before it is parsed (`_payload.MAX_PAYLOAD_BYTES`), parsed with a guard against deep nesting, and validated in
+before it is parsed (`payload.MAX_PAYLOAD_BYTES`), parsed with a guard against deep nesting, and validated in
 full (`CompiledModel.from_payload`). Anything wrong on that path, whatever the exception, costs one WARNING
 naming the file, the row and the problem, and the planner decides with the analytic prior: reading a model
 never stalls or fails a forward.

@@ -5,12 +5,12 @@ A payload passes when every field has its type, every index is in range, the tre
 cycle, every node reached once from a root), the stored depth is the trees' depth, every threshold and leaf
 value is finite, the shortlist holds valid `KernelConfig`s, and the sizes are within the caps below. Anything
 else raises `PayloadError` (a ValueError) naming the field and what is wrong with it; the runtime then
-decides with the analytic prior (`_learned.load_planner_inputs`).
+decides with the analytic prior (`load.load_planner_inputs`).
 
 The caps bound the time a forward can spend in the trees (`Forest.residual` steps `depth` times over every
 tree of the batch's arms). `python -m autoragged.tune` fits 150 trees of depth at most 6 per forest
-(`_model._fit_trees`: max_iter=150, max_depth=6, at most 31 leaves), about 8,700 nodes, and a payload of
-two forests is about 0.9 MB of JSON (50 bytes a node; CPU fit of 5,000 rows, 2026-12-01). The caps leave
+(`learned._fit_trees`: max_iter=150, max_depth=6, at most 31 leaves), about 8,700 nodes, and a payload of
+two forests is about 0.9 MB of JSON (50 bytes a node, fit on 5,000 rows). The caps leave
 4x the trees, 2.7x the depth, 11x the nodes and 18x the bytes, so a refit with other settings still loads;
 at the caps one prediction takes about 11x a tuned model's (0.55 ms for 4 arms on a 2-core CPU), paid
 once per decision-cache bucket, never per batch.

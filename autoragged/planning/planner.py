@@ -1,4 +1,4 @@
-"""What each arm is predicted to cost a batch, in microseconds of host time.
+"""What each arm is predicted to cost a batch.
 
 `Planner.predict(stats, width)` asks the cost model (the learned one for this device where the tuning database has
 it, else the analytic prior) for the three arm kinds a batch may take: the padded arm (the module as written), the

@@ -63,7 +63,7 @@ def as_lengths(lengths: object, *, name: str = "lengths") -> tuple[int, ...]:
 
 class HostLengths(tuple):
     """Host lengths read from the very padding mask of the call they come with, before that mask moved to the
-    device (sentence-transformers' tokenizer output, adapters/_sentence.py): the runtime takes them as given,
+    device (sentence-transformers' tokenizer output, models/sentence.py): the runtime takes them as given,
     without reading the mask back to check them (a device->host sync)."""
 
     __slots__ = ()
@@ -109,10 +109,10 @@ class Layout:
     )
     key_lengths = None  # every row is a key (a CUDA graph's static layout may have query-only rows)
     # The rows a batch fills, as a (1,) device tensor, where only the device knows them: a CUDA graph's
-    # layout built in the graph (autoragged/runtime/capture.py). Row-wise kernels stop there. A host layout: None.
+    # layout built in the graph (autoragged/graphs/capture.py). Row-wise kernels stop there. A host layout: None.
     live = None
-    # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a mask graph's
-    # values have room for every row at full length, and a batch fills a fraction. None: x's rows.
+    # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a graph's values
+    # have room for every row at full width, and a batch fills a fraction. None: x's rows.
     tile_rows = None
 
     def __init__(self, lengths: tuple[int, ...], align: int, offsets: tuple[int, ...], rows: int, canonical: bool):

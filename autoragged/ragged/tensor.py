@@ -412,9 +412,8 @@ def mask_lengths(
     # One weighted sum gives, per row, the count n of real tokens and the sum of their positions: real token c
     # adds 1 + K c (K = L + 1 > n, exact in int64), so n = s mod K and the position sum is s div K. The real
     # tokens are a prefix exactly when that sum is n (n - 1) / 2 (n distinct positions sum to at least that,
-    # with equality only for 0..n-1). Two small kernels and one copy: 44-60 us of host time in all on the H100
-    # host, against 160-200 us for the float product of two weight columns before (2026-11-25,
-    # benchmarks/mask_read.py), time a synchronised call waits with the GPU idle.
+    # with equality only for 0..n-1). Two small kernels and one copy: 44-60 us of host time in all on an H100
+    # host, time a synchronised call waits with the GPU idle (benchmarks/diagnostics/mask_read.py).
     sums = torch.where(mask.bool(), 0, _moment_weights(L, mask.device)).sum(1).cpu().numpy()  # the one copy
     counts = sums % (L + 1)
     lengths = tuple(counts.tolist())

@@ -14,9 +14,9 @@ In a notebook, `summary()` returns the same numbers as dataclasses (the CLI prin
     s.devices[0].modules[0].saved.vs_padded_pct
 
 Cost: the decisions and measurements in the window are read into Python in full, as dataclasses (10^5
-decisions took 2.2 s and 160 MB on a 2-core CPU, 2026-11-22, most of it decoding rows). The runtime keeps the
+decisions take 2.2 s and 160 MB on a 2-core CPU, most of it decoding rows). The runtime keeps the
 newest `AUTORAGGED_DB_KEEP_DECISIONS` decisions per module as rows (default 20,000) and adds older ones up
-(`_rollup`); the report adds the rows it reads up the same way and merges the stored totals, so its numbers
+(rollup.py); the report adds the rows it reads up the same way and merges the stored totals, so its numbers
 cover every batch while it reads at most that many rows per module. For decisions known from totals only,
 `--since` counts from the start of the hour (day, for regret) it falls in. `--since` and `--device` narrow
 the scan in SQL. matplotlib is needed for `--html` only and is imported when it is used.
@@ -92,13 +92,13 @@ EMPTY_MESSAGE = (
     "or calibrate with python -m autoragged.tune"
 )
 SINCE_FORMS = (
-    "an ISO date or datetime (2026-01-31, 2026-01-31T14:30, 2026-01-31 14:30:00+00:00; local time unless an "
+    "an ISO date or datetime (YYYY-MM-DD, YYYY-MM-DDTHH:MM, YYYY-MM-DD HH:MM:SS+00:00; local time unless an "
     "offset is given) or an age: a number and s, m, h, d or w (45s, 30m, 2h, 7d, 2w)"
 )
 _AGE = re.compile(r"(\d+(?:\.\d*)?)\s*([smhdw])", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG down
-_PRIOR = "cost model (prior)"  # the reason of a decision the analytic prior predicted (`Planner.plan`)
+_PRIOR = "cost model (prior)"  # the reason of a decision the analytic prior predicted (`Planner.predict`)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -498,13 +498,13 @@ def _parser() -> argparse.ArgumentParser:
         "measured latency, estimated time saved and measured regret; per device the calibration.",
         epilog="examples:\n  python -m autoragged.report                         # all decisions, terminal tables\n"
         "  python -m autoragged.report --since 2h --device H100   # the last two hours on the H100\n"
-        "  python -m autoragged.report --since 2026-01-31 --html report.html   # + pictures (needs matplotlib)",
+        "  python -m autoragged.report --since 7d --html report.html   # the last week, + pictures (needs matplotlib)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--db", help="tuning database (default $AUTORAGGED_DB or ~/.cache/autoragged/tuning.sqlite)")
     p.add_argument("--device", metavar="KEY", help="only this device: its key, or a unique substring of it")
     p.add_argument("--since", metavar="TIME", type=_since_arg, help="only decisions and measurements from TIME on: "
-                   "an ISO date/datetime (2026-01-31, 2026-01-31T14:30) or an age (30m, 2h, 7d)")  # fmt: skip
+                   "an ISO date/datetime (YYYY-MM-DD, YYYY-MM-DDTHH:MM) or an age (30m, 2h, 7d)")  # fmt: skip
     p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report with pictures")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p

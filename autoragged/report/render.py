@@ -1,5 +1,5 @@
-"""How `python -m autoragged.report` prints: the Summary (autoragged/report.py) as terminal tables
-(`render_text`) or one HTML page (`render_html`, with the pictures of autoragged/_report_plots.py)."""
+"""How `python -m autoragged.report` prints: the Summary (report/results.py) as terminal tables
+(`render_text`) or one HTML page (`render_html`, with the pictures of report/plots.py)."""
 
 from __future__ import annotations
 

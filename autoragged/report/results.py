@@ -1,5 +1,5 @@
 """What `python -m autoragged.report` returns: the report's results as dataclasses (`autoragged.report.summary`),
-apart from how they are read from a tuning database (report.py) and drawn (_report_render.py)."""
+apart from how they are read from a tuning database (report/__init__.py) and printed (render.py)."""
 
 from __future__ import annotations
 
@@ -48,16 +48,16 @@ class TimeSaved:
 class Regret:
     """Regret measured on sampled batches (Decision.measured_ms), grouped as the planner groups batches.
 
-    Sampled batches the planner decided (predicted_ms not empty) are grouped by `_planner.bucket_key(stats)`
+    Sampled batches the planner decided (predicted_ms not empty) are grouped by `planning.planner.bucket_key(stats)`
     and arm label; a bucket is evaluated when it has measured means for two labels or more. A batch's
     regret = measured mean of its label / best measured mean of its bucket - 1 (a fraction: 0.1 = 10%
     slower than the best arm measured there).
 
     buckets: buckets with a sampled planner batch; evaluated_buckets: those with several labels measured;
     batches: batches whose regret counts (planner choices in evaluated buckets); mean, max: of their
-    regrets (fractions; None when no batch counts); exploring: sampled exploration batches (the runtime
-    deliberately ran another arm than the planner's choice): their latencies go into the bucket means,
-    their regret does not (it measures the exploration budget, not the decisions).
+    regrets (fractions; None when no batch counts); exploring: sampled batches that ran an arm to time it
+    ("trying it": not the arm predicted best): their latencies go into the bucket means, their regret does
+    not (it measures what trials cost, not the decisions).
     """
 
     buckets: int = 0
@@ -86,11 +86,11 @@ class ModuleSummary:
     arms: share per arm ("padded", "ragged"); configs: share per arm label (each ragged KernelConfig apart);
     fallback_reasons: reason -> batches for padded batches forced without a prediction (policy or a
     feature the ragged arm does not support), most frequent first; decided_by: reason -> batches for all
-    other batches ("cost model (prior)", "measured on this device", "exploring (...)", "policy=ragged");
+    other batches ("predicted: cost model (prior)", "timed on this device", "trying it (...)", "policy=ragged");
     sampled: batches with a measured latency; mape, mape_batches: mean |predicted - measured| / measured
     (a fraction) over sampled batches whose chosen arm had a prediction, and their count;
     saved: time saved, a cost-model estimate; regret: measured regret on sampled batches; rolled_up: batches
-    no longer kept one by one, known from the database's hourly totals (`_rollup`; the window then starts at
+    no longer kept one by one, known from the database's hourly totals (rollup.py; the window then starts at
     the hour of `since`); the pictures show the batches still kept.
     """
 

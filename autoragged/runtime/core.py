@@ -1,7 +1,7 @@
 """The per-module runtime: one batch goes lengths -> stats -> choice -> arm -> record, for every model family.
 
-A family adapter (autoragged/adapters/) binds a wrapped module to a `Runtime` and turns each of the module's own
-calls into a `Call` (adapters/base.py): the batch's shape, its key padding mask or host lengths, how to run the
+A family adapter (autoragged/models/) binds a wrapped module to a `Runtime` and turns each of the module's own
+calls into a `Call` (models/base.py): the batch's shape, its key padding mask or host lengths, how to run the
 padded arm, what the ragged arm packs and how its result becomes the module's output. Everything else is here:
 
 1. lengths: `lengths=`, a RaggedTensor or a mask on the host (no sync); a mask alone on the device is read (one

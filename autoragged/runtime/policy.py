@@ -70,9 +70,8 @@ class ShapeState:
 class Scales:
     """What a module's timed batches say of each arm kind on shapes not timed yet: how far the cost model is off
     (timed / predicted ms, the recent ones), and the least host time a call took. The prior leaves most host time
-    out: the eager arm's launches took 12-15 ms a batch of bert-base on a slow host whatever the batch, where its
-    GPU work on the short rows was a tenth of that; a scale learnt on the long rows, where the GPU's time decides,
-    put it within reach of the graph there, and each trial cost a batch 10x the graph's time."""
+    out: the eager arm's launches take 12-15 ms a batch of bert-base on a slow host whatever the batch, ten times
+    its GPU work on the short rows, so a scale learnt on the long rows alone would under-price it there."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     host_ms: dict[str, float] = field(default_factory=dict)

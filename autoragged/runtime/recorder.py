@@ -7,8 +7,8 @@ cannot be used as it is (`open_db`): a read-only file is read (its cost model) a
 a damaged one is neither read nor written (the runtime decides with the analytic prior).
 
 Retention: after writing, each flush keeps the newest `keep_decisions` decisions per device and module
-signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `_rollup.rollup`, one more
-transaction per flush, never one per forward). `Recorder.keep_decisions` None (the default) reads
+signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `report.rollup.rollup`, one
+more transaction per flush, never one per forward). `Recorder.keep_decisions` None (the default) reads
 `$AUTORAGGED_DB_KEEP_DECISIONS` at each flush (default 20,000; "all" keeps every row); an int overrides it.
 """
 

@@ -64,7 +64,7 @@ class Record:
 
     def peek(self) -> BatchStats | None:
         """The stats if they are on the host already, else None: never waits, makes no CUDA call and takes no
-        lock (the hot path judges a shape from an earlier unread batch's stats, `Runtime._one_behind`). A
+        lock (the hot path predicts a batch not read with its shape's latest stats, `Runtime._stats`). A
         pinned slot's copy has landed when it holds no -1 (each count is written whole); a slot is only ever
         replaced by a snapshot of itself, on the hot path's own thread (`PadsRing._release`)."""
         pending = self._pending
@@ -109,8 +109,8 @@ class PadsRing:
     and one event per batch, no allocation. Once per round of `slots` batches, before slot 0 is reused,
     the counts of records nobody has read yet move off the ring in one clone (after the round's last copy
     has landed: long done, unless the host ran a round ahead of the device); records read earlier resolve
-    themselves. Resolving one old record per batch instead (its copy-out and BatchStats) made `put` take
-    53 us per batch under cProfile on the H100 host (2026-11-23).
+    themselves: resolving one old record per batch (its copy-out and BatchStats) costs `put` 53 us a batch on an
+    H100 host.
     A slot reads -1 until its copy lands (a pad count is never -1: `Record.stats` polls, no CUDA call): the
     whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views
     are made once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
