@@ -30,9 +30,6 @@ class Body:
     embeds_in_graph: the ragged graphs (fed a mask or host lengths) may compute the embeddings themselves from
                     the call's token ids (`Call.graph_inputs`): the host launches no embedding step before the
                     replay
-    padded_forward: None, or fn(module, x, mask) -> padded output: the padded arm on a padded tensor and its
-                    mask (the runtime does not call it)
-    memo:           the model's (d_model, ff, layers) (the runtime does not read it)
     causal:         its batches are causal (a decoder): the eager arm keeps its packed rows, and `warmup` warms
                     no cuBLAS rungs for it (runtime/core.py `_eager_rows`)
     """
@@ -48,8 +45,6 @@ class Body:
     first_column = False
     embeds_in_graph = False
     embeds_token_types = False  # (with embeds_in_graph) the embedding step takes token type ids
-    padded_forward = None
-    memo: tuple = ()
     causal = False
 
     def __init__(self, module: torch.nn.Module):
@@ -61,11 +56,6 @@ class Body:
     def probe(self) -> torch.Tensor:
         """A parameter whose dtype and device stand for the module's."""
         raise NotImplementedError
-
-    def layer_linears(self) -> list:
-        """The linears of one layer as (weight, bias, cuBLAS epilogue activation or None) (`encoder.layer_linears`),
-        where the layers are alike; empty where not known. The runtime does not call it."""
-        return []
 
     def values(self, x: torch.Tensor, layout, config, causal: bool, hidden: list | None = None) -> torch.Tensor:
         """The ragged arm on packed values x (rows, D) -> (rows, D); `hidden`, a list, gets each layer's
@@ -125,10 +115,6 @@ class Call:
         row zeros, as PyTorch's encoder fast path does."""
         return None
 
-    def prefetch(self) -> None:
-        """Queue device work the ragged arms will need (the runtime does not call it); a no-op unless the family
-        has such work."""
-
     def padded(self, module, lens: tuple[int, ...], stats):
         """The padded arm's output for this call (host lengths known)."""
         raise NotImplementedError
@@ -140,10 +126,6 @@ class Call:
     def finish(self, y, hidden: list | None = None):
         """The module's output from the ragged arm's result `y` (padded, zeros at pads; or a RaggedTensor
         for a RaggedTensor input) and, when asked for, each layer's padded output."""
-        return y
-
-    def finish_padded(self, y):
-        """The module's output from a padded result (the runtime does not call it)."""
         return y
 
     def graph_inputs(self):

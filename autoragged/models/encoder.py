@@ -25,7 +25,7 @@ from ..kernels._config import KernelConfig
 from ..ops import add_layer_norm_values, attention_values, linear_values
 from ..ragged.layout import Layout
 
-__all__ = ["EncoderLayerSpec", "encoder_values", "layer_linears", "linear_config", "FUSED_ACTIVATIONS"]
+__all__ = ["EncoderLayerSpec", "encoder_values", "linear_config", "FUSED_ACTIVATIONS"]
 
 FUSED_ACTIVATIONS = ("relu", "gelu")  # in the linear's epilogue; "gelu" is the exact (erf) one
 
@@ -51,13 +51,6 @@ class EncoderLayerSpec:
 
 
 _CUBLAS = KernelConfig(backend="cublas")
-
-
-def layer_linears(spec: EncoderLayerSpec) -> list[tuple[torch.Tensor, torch.Tensor | None, str | None]]:
-    """The linears one layer runs, as (weight, bias, activation in cuBLAS's epilogue or None) (`Body.layer_linears`).
-    A gelu runs after the product (`kernels.ragged_linear.cublas_linear`), so it is left out."""
-    act = "relu" if spec.activation == "relu" else None
-    return [*((w, b, None) for w, b in spec.qkv), (*spec.out, None), (*spec.ff1, act), (*spec.ff2, None)]
 
 
 def linear_config(config: KernelConfig | None) -> KernelConfig | None:

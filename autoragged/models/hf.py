@@ -342,12 +342,6 @@ class HFCall(Call):
             self._x = self.body.embed(self.module, self.kwargs)
         return self._x
 
-    def prefetch(self) -> None:
-        """The embeddings the ragged arm packs, computed and kept (`Call.prefetch`; the runtime does not call
-        it)."""
-        if self.reason is None and self.passthrough is None:
-            self.x  # noqa: B018 - computed and kept
-
     def original(self, module):
         return self.body.forward_of(module)(**self.kwargs)
 

@@ -186,7 +186,6 @@ class HFDecoderBody(_hf.HFBody):
             activation=str(act), norm_first=True, dtype=str(self.probe().dtype).replace("torch.", ""), bias=bias,
             final_norm=True,
         )  # fmt: skip
-        self.memo = (self.d_model, ff, config.num_hidden_layers)
 
     def _static_reason(self, module) -> str | None:
         family, config = self.family, module.config

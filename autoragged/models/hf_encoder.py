@@ -42,7 +42,7 @@ from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
 from .base import EpochCache
-from .encoder import EncoderLayerSpec, encoder_values, layer_linears
+from .encoder import EncoderLayerSpec, encoder_values
 from .qkv import FusedQKV, unfuse
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -244,7 +244,6 @@ class HFEncoderBody(_hf.HFBody):
             d_model=d_model, heads=heads, ff=ff, activation=act, norm_first=family.layers is None,
             dtype=str(self.probe().dtype).replace("torch.", ""), final_norm=family.layers is None,
         )  # fmt: skip
-        self.memo = (d_model, ff, self.sig.layers)
         # one q/k/v product per layer: the three parameters become views of one buffer (qkv.py)
         fusable = family.qkv is not None and family.layers is not None and self.static_reason is None
         self._qkv = FusedQKV(family.qkv(module)) if fusable else None
@@ -278,10 +277,6 @@ class HFEncoderBody(_hf.HFBody):
         if family.layers is not None:
             return encoder_values(self._layer_specs(), None, x, layout, config, causal, hidden)
         return self._module_values(x, layout, config, hidden)
-
-    def layer_linears(self) -> list:
-        specs = self._layer_specs() if self.family.layers is not None else []
-        return layer_linears(specs[0]) if specs else []
 
     def _module_values(self, x, layout, config, hidden):
         """ModernBERT's own layer modules on (1, rows, D), our varlen kernel as their attention."""

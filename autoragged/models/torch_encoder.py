@@ -19,7 +19,7 @@ from ..nn import activation_kind, encoder_specs, support_error
 from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, _zero_pads, pad_mask
 from ..tuning_db import ModuleSignature
 from .base import Body, Call, EpochCache
-from .encoder import encoder_values, layer_linears
+from .encoder import encoder_values
 
 __all__ = ["DispatchingTransformerEncoder", "DispatchingTransformerEncoderLayer", "signature_of", "ADAPTER"]
 
@@ -99,7 +99,6 @@ class TorchEncoderBody(Body):
         self.d_model = self.sig.d_model
         self.head_dim = self.sig.d_model // max(self.sig.heads, 1)
         self.fused = self.mask_graph = True
-        self.memo = (self.sig.d_model, self.sig.ff, self.sig.layers)
         self._layers_dict = _layer_dict(module)
         self._layer_count = len(self._layers_dict) if self._layers_dict is not None else 0
         # the layers as specs, re-made only when a parameter or module was (re-)registered
@@ -110,13 +109,6 @@ class TorchEncoderBody(Body):
 
     def values(self, x, layout, config, causal, hidden=None):
         return encoder_values(*self._specs.get(), x, layout, config, causal, hidden)
-
-    def layer_linears(self) -> list:
-        specs = self._specs.get()[0]
-        return layer_linears(specs[0]) if specs else []
-
-    def padded_forward(self, module, x, mask):
-        return self.base.forward(module, x, None, mask, None)
 
     def synthetic(self, lengths, L: int, device, mask: bool = True) -> tuple[tuple, dict]:
         """(args, kwargs) of a call of this module on a batch of `lengths` padded to L (zeros; right padding),
