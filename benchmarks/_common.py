@@ -32,13 +32,15 @@ WARM, TIMED = 4, 16  # the serving protocol's batches per row: warm-up, then tim
 
 # -- environment and the results line -------------------------------------------------------------------------
 def revision() -> str:
-    """The checkout's short git revision, with "-dirty" when files differ from it (the results aside); where there
-    is no git checkout (a copied tree), $AUTORAGGED_REVISION or "unknown"."""
+    """$AUTORAGGED_REVISION where set, else the checkout's short git revision, with "-dirty" when files differ from
+    it (the results aside), else "unknown"."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60)
         return done.stdout.strip()
 
+    if os.environ.get("AUTORAGGED_REVISION"):  # a copied tree whose git knows another HEAD (a lent GPU's)
+        return os.environ["AUTORAGGED_REVISION"]
     try:
         head = git("rev-parse", "--short", "HEAD")
         changed = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
