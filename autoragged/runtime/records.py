@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..graphs.worker import worker
 from ..tuning_db import BatchStats, Decision
 
 __all__ = ["Record", "PadsRing", "Timers", "quiet_mark"]
@@ -242,6 +243,4 @@ def quiet_mark() -> tuple[int, int] | None:
     """What one-time work has happened so far (kernels compiled, background captures begun and ended), or None
     while a capture runs: a batch whose mark changed, or that began or ended during a capture, is no sample of its
     arm's cost (a compile took 0.1-1 s of a batch's time; a capture competes with the caller for the host)."""
-    from ..graphs.worker import worker
-
     return None if worker.busy else (_COMPILES[0], worker.changes)
