@@ -39,7 +39,7 @@ import torch
 
 from ..kernels import graph_args, graph_layout, masked_pack, ragged_pack
 
-__all__ = ["GraphKey", "RaggedGraph", "record_event", "event_done", "event_pending", "mask_pass"]
+__all__ = ["GraphKey", "RaggedGraph", "record_event", "event_done", "mask_pass"]
 
 
 class GraphKey(NamedTuple):
@@ -158,11 +158,6 @@ def event_done(event: torch.cuda.Event) -> None:
     """Return once the work before `event` has completed: a query, and a wait only if it has not."""
     if not (_query(event) if _query is not None else event.query()):
         event.synchronize()
-
-
-def event_pending(event: torch.cuda.Event) -> bool:
-    """True while the work before `event` has not completed (never waits)."""
-    return not (_query(event) if _query is not None else event.query())
 
 
 def mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width):

@@ -24,7 +24,7 @@ __all__ = ["CaptureWorker", "worker"]
 
 log = logging.getLogger("autoragged")
 
-_SWITCH_S = 5e-4
+_SWITCH_S = 5e-4  # the interpreter's thread switch while a job runs (5 ms by default): the caller waits at most this
 
 
 class CaptureWorker:

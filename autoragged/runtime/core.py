@@ -353,6 +353,8 @@ class Runtime:
         limit = getattr(self.body, "max_tokens", None)
         width = min(2 * gkey.width, mask_width(limit)) if limit else 2 * gkey.width
         gkey = gkey._replace(width=max(width, gkey.width))
+        if gkey in self.graphs.pending:  # (asked for already: each batch of the shape asks until it is there)
+            return
         make, nbytes = self._graph_make(module, gkey, stats.total)
         self.graphs.request(gkey, make, call.device, nbytes)
 

@@ -29,9 +29,8 @@ from typing import NamedTuple
 
 from ..tuning_db import BatchStats
 
-__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "KINDS", "TRY_WITHIN", "MIN_SAMPLES"]
+__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "TRY_WITHIN", "MIN_SAMPLES"]
 
-KINDS = ("padded", "ragged", "ragged_graph")  # the arms a batch may take: the module, our kernels, their graph
 # An arm predicted within this factor of the running one is worth timing: the prior leaves out most host time,
 # and a stream pays every arm tried (HF's padded forward took 549 ms at its first run on a new shape where the
 # running arm took 11.5; `benchmarks/stream_table.py`).
