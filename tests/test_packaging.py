@@ -33,9 +33,10 @@ def test_every_package_folder_is_installed():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     for name, folder in config["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            package = ".".join((name, *init.parent.relative_to(ROOT / folder).parts))
-            assert package in listed, f"{init.parent} is not listed in pyproject's packages (as {package})"
+        for module in (ROOT / folder).rglob("*.py"):
+            package = ".".join((name, *module.parent.relative_to(ROOT / folder).parts))
+            assert package in listed, f"{module.parent} is not listed in pyproject's packages (as {package})"
+            assert (module.parent / "__init__.py").exists(), f"{module.parent} has no __init__.py"
 
 
 def test_the_wheel_holds_only_the_autoragged_namespace(wheel):

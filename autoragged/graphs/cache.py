@@ -22,6 +22,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,19 @@ class GraphStats:
     evictions: int = 0
 
 
+class _Warmed(NamedTuple):
+    """A warm-up run the worker finished: the graph (None if it failed), the error (or None), its host ms, the
+    graph's estimated bytes, and the pool and capture stream its record goes into."""
+
+    key: GraphKey
+    graph: object
+    error: BaseException | None
+    ms: float
+    nbytes: int
+    pool: object
+    stream: object
+
+
 def _budget_bytes(device, fraction: float) -> int:
     """`fraction` of what graphs could obtain: free device memory and what the allocator caches unused."""
     free = torch.cuda.mem_get_info(device)[0]
@@ -72,8 +86,7 @@ class GraphCache:
         self.graphs: OrderedDict[GraphKey, object] = OrderedDict()
         self.pending: set[GraphKey] = set()
         self.failed: dict[GraphKey, str] = {}
-        # (key, warmed graph or None, error or None, ms, nbytes, pool, stream) from the worker's thread
-        self.done: deque = deque()
+        self.done: deque[_Warmed] = deque()  # from the worker's thread
         self.pool = None
         self.captures, self.capture_ms, self.evictions = 0, 0.0, 0
         self.kept_bytes = 0
@@ -115,7 +128,7 @@ class GraphCache:
 
         def done(result, error):
             graph, ms = result if result is not None else (None, 0.0)
-            self.done.append((key, graph, error, ms, nbytes, pool, worker.stream(device, "capture")))
+            self.done.append(_Warmed(key, graph, error, ms, nbytes, pool, worker.stream(device, "capture")))
 
         worker.submit(job, done)
         return True
@@ -123,16 +136,17 @@ class GraphCache:
     def record_ready(self) -> None:
         """Record the graphs whose warm-up run is done and keep them (or remember why one failed)."""
         while self.done:
-            key, graph, error, ms, nbytes, pool, stream = self.done.popleft()
+            warmed = self.done.popleft()
+            key, error = warmed.key, warmed.error
             self.pending.discard(key)
-            if error is None and pool is self.pool:
+            if error is None and warmed.pool is self.pool:  # (a pool dropped meanwhile: asked for again if wanted)
                 t0 = time.perf_counter()
                 try:
-                    graph.record(pool, stream)
+                    warmed.graph.record(warmed.pool, warmed.stream)
                 except Exception as e:  # noqa: BLE001 - any failure: the key's batches run eagerly, and say why
                     error = e
                 else:
-                    self._keep(key, graph, ms + (time.perf_counter() - t0) * 1e3, nbytes)
+                    self._keep(key, warmed.graph, warmed.ms + (time.perf_counter() - t0) * 1e3, warmed.nbytes)
             if error is not None:
                 reason = (
                     f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
@@ -149,7 +163,7 @@ class GraphCache:
         if graph is not None and graph.key == key:
             return graph
         self.record_ready()
-        self._fits(device, nbytes)
+        self._fits(device, nbytes)  # (sets the budget at a first capture; a forced graph is kept whatever its size)
         t0 = time.perf_counter()
         pool = self._pool()
         graph = make(pool, worker.stream(device))

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..graphs.capture import event_done, record_event
 from ..graphs.worker import worker
 from ..tuning_db import BatchStats, Decision
 
@@ -124,8 +125,6 @@ class PadsRing:
         self.owners: list[Record | None] = [None] * slots
 
     def put(self, pads: torch.Tensor, record: Record):
-        from ..graphs.capture import record_event
-
         B = pads.shape[0]
         if B > self.width:  # records still pending keep views of the old buffer, which is never written again
             self.width = max(B, 2 * self.width)
@@ -150,8 +149,6 @@ class PadsRing:
     def _release(self) -> None:
         """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
         not landed (-1) again: all slots are free."""
-        from ..graphs.capture import event_done
-
         pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
         self.owners = [None] * self.slots
         event_done(self.events[(self.i - 1) % self.slots])  # the newest copy; copies land in stream order
@@ -200,8 +197,6 @@ class Timers:
 
     def record(self, timer) -> None:
         if self.cuda:
-            from ..graphs.capture import record_event
-
             record_event(timer, self.index)
         else:
             timer.record()
