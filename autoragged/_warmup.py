@@ -135,7 +135,7 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     if synthetic is None:
         return f"its adapter ({runtime.adapter.name}) makes no synthetic batches"
     device = runtime._param().device
-    cache = runtime.graphs_for(device) if device.type == "cuda" and runtime.options.graphs else None
+    cache = runtime.graph_cache() if device.type == "cuda" and runtime.options.graphs else None
     before = cache.stats() if cache is not None else None
     keys_before = set(cache.graphs) if cache is not None else set()
     if cache is not None and max_memory is not None:
@@ -198,15 +198,11 @@ def _force_first_runs(module, groups, device) -> None:
     first: dict[int, list[int]] = {}
     for lengths in groups:
         first.setdefault(len(lengths), lengths)
-    try:
-        for forced in ("padded", "ragged"):
-            runtime.policy = forced
-            for lengths in first.values():
-                args, kwargs = runtime.body.synthetic(lengths, max(max(lengths), 1), device, mask=True)
-                with _tagged(runtime):
-                    module(*args, **kwargs)
-    finally:
-        module._autoragged.policy = "auto"
+    for forced in ("padded", "ragged"):
+        for lengths in first.values():
+            args, kwargs = runtime.body.synthetic(lengths, max(max(lengths), 1), device, mask=True)
+            with runtime.forcing(forced), _tagged(runtime):
+                module(*args, **kwargs)
 
 
 def _warm_cublas_rows(runtime, groups, device) -> int:

@@ -23,7 +23,6 @@ queued behind it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,17 +74,6 @@ def _head(model: nn.Module, base: nn.Module, output: str) -> nn.Module:
             "pass the ...ForCausalLM / ...ForSequenceClassification model, or use output='last_hidden'"
         )
     return head
-
-
-@contextlib.contextmanager
-def _ragged_arm(runtime):
-    """The bin's call runs on the ragged arm whatever the wrapped model's policy (restored after the call)."""
-    before = runtime.policy
-    runtime.policy = "ragged"
-    try:
-        yield
-    finally:
-        runtime.policy = before
 
 
 # -- documents and bins ----------------------------------------------------------------------------------
@@ -217,7 +205,7 @@ def _check_output(output) -> None:
 
 
 def _run_bin(base, runtime, head, output, ids: RaggedTensor):
-    with torch.inference_mode(), _ragged_arm(runtime):
+    with torch.inference_mode(), runtime.forcing("ragged"):  # the bin's call runs ragged
         hidden = base(input_ids=ids, use_cache=False, return_dict=True).last_hidden_state
         return _reduce(output, head, hidden, ids)
 

@@ -154,3 +154,21 @@ def test_warmup_batches_are_recorded_and_say_so(tmp_path):
     with TuningDB.open(path) as db:
         rows = db.decisions()
     assert len(rows) == 4 and all(r.reason.endswith("(warmup)") for r in rows)
+
+
+def test_forcing_runs_the_block_on_the_forced_arm_and_restores_the_policy():
+    enc = autoragged.wrap(make_encoder(), db=False, sample_every=0)
+    rt = with_model(enc, Fixed({"padded": 1.0, "ragged": 2.0}))
+    x, _ = batch(LENGTHS, 64, "cpu")
+    with torch.no_grad():
+        with rt.forcing("ragged"):
+            enc(x, lengths=LENGTHS)
+        with pytest.raises(RuntimeError, match="inside"), rt.forcing("ragged"):
+            raise RuntimeError("inside")
+        enc(x, lengths=LENGTHS)
+    forced, chosen = autoragged.recent_decisions(enc, 2)
+    assert (forced.arm, forced.reason) == ("ragged", "policy=ragged")
+    assert chosen.arm == "padded" and rt.policy == "auto"
+    with pytest.raises(ValueError, match="policy must be one of"):
+        with rt.forcing("fast"):
+            pass

@@ -16,6 +16,7 @@ padded arm, what the ragged arm packs and how its result becomes the module's ou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -138,6 +139,18 @@ class Runtime:
             log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
         return fresh
 
+    @contextlib.contextmanager
+    def forcing(self, policy: str):
+        """Calls inside the block run with `policy` ("padded" or "ragged") whatever the module was wrapped with
+        (`autoragged.warmup`'s first runs of each arm, a packing job's bins); restored after."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        before, self.policy = self.policy, policy
+        try:
+            yield self
+        finally:
+            self.policy = before
+
     # -- the hot path ------------------------------------------------------------------------------------
     def run(self, module, call):
         """The output of `module` on `call` (an adapter's Call, read with this runtime's body after `ready`)."""
@@ -192,7 +205,7 @@ class Runtime:
         ready = {"padded", "ragged"}
         gkey, graph, unavailable = self._graph_key(call, key), None, None
         if gkey is not None:
-            cache = self.graphs_for(call.device)
+            cache = self.graph_cache()
             cache.check_params(self._parameters(module))
             unavailable = cache.unavailable(gkey)
             if unavailable is None:
@@ -331,7 +344,8 @@ class Runtime:
             return None
         return GraphKey(call.B, key.width, "lengths", mode, call.causal)
 
-    def graphs_for(self, device: torch.device) -> GraphCache:
+    def graph_cache(self) -> GraphCache:
+        """The module's graphs (made at the first use: one cache, on the module's device)."""
         if self.graphs is None:
             self.graphs = GraphCache(cap=self.options.graph_cap)
         return self.graphs
@@ -364,7 +378,7 @@ class Runtime:
         gkey = self._graph_key(call, ShapeKey(call.B, mask_width(call.L), False))
         if gkey is None:
             return None
-        cache = self.graphs_for(call.device)
+        cache = self.graph_cache()
         cache.check_params(self._parameters(module))
         make, nbytes = self._graph_make(module, gkey, stats.total)
         return cache.capture_now(gkey, make, call.device, nbytes)
