@@ -169,11 +169,6 @@ class HFDecoderBody(_hf.HFBody):
         self.has_dropout = getattr(config, "attention_dropout", 0.0) > 0 or any(
             m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout)
         )
-        rotary = getattr(module, "rotary_emb", None) if family.rotary else None
-        self.rope_type = getattr(rotary, "rope_type", "default") if rotary is not None else None
-        # frequencies that depend on the batch's largest position (a host read of it): eager arms only, on the
-        # original's position table
-        self.dynamic_rope = self.rope_type is not None and ("dynamic" in self.rope_type or self.rope_type == "longrope")
         self.static_reason = self._static_reason(module)
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
         self.unfused = self._unfused_reason(module)
@@ -295,13 +290,6 @@ class HFDecoderCall(_hf.HFCall):
         if self.reason is not None:
             return
         self.reason = self._decoder_reason(body)
-        if self.reason is None:
-            if kwargs.get("position_ids") is not None:
-                self.eager_only = "explicit position_ids (a graph counts positions from the lengths)"
-            elif body.dynamic_rope:
-                self.eager_only = f"{body.rope_type} rotary embeddings (frequencies depend on the batch's positions)"
-            elif self.use_cache:
-                self.eager_only = "a KV cache is built (pass use_cache=False for scoring: the graph arm returns none)"
 
     def _decoder_reason(self, body) -> str | None:
         kwargs = self.kwargs
@@ -354,8 +342,6 @@ class HFDecoderCall(_hf.HFCall):
         self.return_dict = kwargs.get("return_dict", getattr(config, "return_dict", True))
         hidden = kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
         self.wants_hidden = bool(hidden)
-        if self.wants_hidden:
-            self.eager_only = "hidden states asked for (the graph arm returns the last one only)"
         others = {k: v for k, v in kwargs.items() if k not in ("input_ids", "use_cache") and v is not None}
         self.kwargs = {"input_ids": ids, **others}
         self.reason = super()._unsupported(config, hidden)
