@@ -1,7 +1,8 @@
 """Ragged ops on `RaggedTensor`s: the public face of the Triton kernels in `kernels/`.
 
 Where each op runs:
-- CUDA tensors: our Triton kernels (through the `torch.library` ops while torch.compile traces);
+- CUDA tensors: our Triton kernels (through their `torch.library` ops, registered beside each launcher,
+  while torch.compile traces);
 - CPU tensors with `TRITON_INTERPRET=1` set before import: the same kernels in Triton's interpreter;
 - CPU otherwise (or no Triton): the PyTorch references that sit beside the kernels.
 
@@ -15,7 +16,6 @@ import math
 
 import torch
 
-from . import _library  # noqa: F401  (registers torch.ops.autoragged.*)
 from .kernels import gated_act as k_act
 from .kernels import ragged_add_layer_norm as k_ln
 from .kernels import ragged_attention as k_attn
@@ -42,7 +42,7 @@ __all__ = [
     "silu_mul_values",
 ]
 
-_ACT_CODE = {None: 0, "relu": 1, "gelu": 2}
+_ACT_CODE = {act: code for code, act in k_lin.ACTIVATION_CODES.items()}
 
 
 def _compiling(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.library import triton_op, wrap_triton
 
 from ._config import KernelConfig, _identity, next_pow2
 from ._triton import tl, triton
@@ -153,3 +154,26 @@ def add_layer_norm_ref(
     total = x if residual is None else x + residual
     out = F.layer_norm(total, (x.shape[1],), weight, bias, eps)
     return out, (total if store_sum else None)
+
+
+# -- the torch.library op: torch.compile traces the kernel itself through it (`autoragged.ops` calls it
+# while compiling; eager calls take the launcher, a dispatcher hop costs microseconds on a launch-bound path)
+@triton_op("autoragged::add_layer_norm", mutates_args={})
+def add_layer_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    store_sum: bool,
+    block_m: int,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    config = KernelConfig(block_m=block_m, num_warps=num_warps, num_stages=1)
+    out, total = add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config, wrap=wrap_triton)
+    return out, (total if total is not None else x.new_empty(0))
+
+
+@add_layer_norm_op.register_fake
+def _(x, residual, weight, bias, eps, store_sum, block_m, num_warps):
+    return x.new_empty(x.shape), x.new_empty(x.shape if store_sum else (0,))

@@ -44,6 +44,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 from . import _ahead
 from ._config import KernelConfig, _identity, dot_upcast, next_pow2
@@ -519,3 +520,48 @@ def ragged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start : start + n] = (probs @ vi).transpose(0, 1).to(q.dtype)
     return out
+
+
+# -- the torch.library op: torch.compile traces the kernel itself through it (`autoragged.ops` calls it
+# while compiling; eager calls take the launcher, a dispatcher hop costs microseconds on a launch-bound path)
+@triton_op("autoragged::ragged_attention", mutates_args={})
+def ragged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    grid_mapping: torch.Tensor,
+    block_offsets: torch.Tensor,
+    causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> torch.Tensor:
+    config = KernelConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return ragged_attention(
+        q,
+        k,
+        v,
+        offsets,
+        lengths,
+        grid_mapping,
+        block_offsets,
+        causal=causal,
+        scale=scale,
+        config=config,
+        wrap=wrap_triton,
+        window=(window_left, window_right),
+    )
+
+
+@ragged_attention_op.register_fake
+def _(
+    q, k, v, offsets, lengths, grid_mapping, block_offsets, causal, scale, block_m, block_n, num_warps, num_stages,
+    window_left=-1, window_right=-1,
+):  # fmt: skip
+    return q.new_empty(q.shape)  # q's heads: GQA's k and v may have fewer

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 from ._config import KernelConfig, _identity, dot_upcast
 from ._triton import tl, triton
@@ -131,3 +132,28 @@ def ragged_bmm_ref(
         if n:
             out[start : start + n] = (x[start : start + n].to(compute) @ weights[i].to(compute)).to(x.dtype)
     return out
+
+
+# -- the torch.library op: torch.compile traces the kernel itself through it (`autoragged.ops` calls it
+# while compiling; eager calls take the launcher, a dispatcher hop costs microseconds on a launch-bound path)
+@triton_op("autoragged::ragged_bmm", mutates_args={})
+def ragged_bmm_op(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    grid_mapping: torch.Tensor,
+    block_offsets: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    config = KernelConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    return ragged_bmm(x, weights, offsets, lengths, grid_mapping, block_offsets, config=config, wrap=wrap_triton)
+
+
+@ragged_bmm_op.register_fake
+def _(x, weights, offsets, lengths, grid_mapping, block_offsets, block_m, block_n, block_k, num_warps, num_stages):
+    return x.new_empty((x.shape[0], weights.shape[2]))

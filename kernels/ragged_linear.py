@@ -29,6 +29,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.library import triton_op, wrap_triton
 
 from . import _ahead
 from ._config import KernelConfig, _identity, dot_upcast, interpreting
@@ -437,3 +438,32 @@ def ragged_linear_ref(
     if activation == "gelu":
         return F.gelu(y)
     return y
+
+
+# -- the torch.library op: torch.compile traces the kernel itself through it (`autoragged.ops` calls it
+# while compiling; eager calls take the launcher, a dispatcher hop costs microseconds on a launch-bound path)
+ACTIVATION_CODES = {0: None, 1: "relu", 2: "gelu"}  # the op's int activation argument
+
+
+@triton_op("autoragged::ragged_linear", mutates_args={})
+def ragged_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    group_m: int,
+) -> torch.Tensor:
+    config = KernelConfig(
+        block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, group_m=group_m
+    )
+    return ragged_linear(x, weight, bias, ACTIVATION_CODES[activation], config, wrap=wrap_triton)
+
+
+@ragged_linear_op.register_fake
+def _(x, weight, bias, activation, block_m, block_n, block_k, num_warps, num_stages, group_m):
+    return x.new_empty((x.shape[0], weight.shape[0]))
