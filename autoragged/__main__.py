@@ -29,8 +29,7 @@ def _database_state(path: Path) -> str:
     """What state the tuning database at `path` is in, as a wrapped model would find it: not created yet, a
     directory, damaged, read-only (read, never written), fine, or unusable for another reason the error names.
     Opening it read-only checks its pages (`TuningDB.open`) and writes nothing."""
-    from .tuning_db import DamagedDatabase, DatabaseError, ReadOnlyDatabase, TuningDB
-    from .tuning_db._connect import _check_location
+    from .tuning_db import DamagedDatabase, DatabaseError, ReadOnlyDatabase, TuningDB, check_location
 
     if path.is_dir():
         return f"a directory, not a file: set AUTORAGGED_DB to a file, e.g. {path / 'tuning.sqlite'}"
@@ -38,7 +37,7 @@ def _database_state(path: Path) -> str:
         return "not created yet (the first wrapped model or tune run makes it)"
     try:
         TuningDB.open(path, readonly=True).close()
-        _check_location(path)
+        check_location(path)
     except ReadOnlyDatabase:
         return "read-only (its cost model is read, nothing is recorded)"
     except DamagedDatabase as e:

@@ -306,7 +306,7 @@ def run_job(
     of its own (with an OversizeSequenceWarning). Results are buffered on the host until every earlier
     document's is in: FFD runs the longest documents first.
     """
-    from .packing import _ffd_pack
+    from .packing import ffd_pack
 
     _check_output(output)
     base, runtime = _wrapped_decoder(model)
@@ -318,16 +318,17 @@ def run_job(
     if max_tokens is None:
         max_tokens = token_budget(model, documents, output=output, align=align, safety=safety, cap=cap)
         log.info("run_job: bins of at most %d tokens (align %d)", max_tokens, align)
-    bins = _ffd_pack(lengths, max_tokens, align, stacklevel=3)
-    device = runtime.body.probe().device
-    yield from _pipeline(base, runtime, head, output, bins, (flat, starts, lengths), align, device, progress)
+    bins = ffd_pack(lengths, max_tokens, align, stacklevel=3)  # an oversize warning names run_job's caller
+    yield from _pipeline(base, runtime, head, output, bins, (flat, starts, lengths), align, progress)
 
 
-def _pipeline(base, runtime, head, output, bins, docs, align, device, progress) -> Iterator:
-    """Queue bin i, then stage bin i + 1 and read bin i - 1's results (the GPU stays one bin ahead)."""
+def _pipeline(base, runtime, head, output, bins, docs, align, progress) -> Iterator:
+    """Queue bin i, then stage bin i + 1 and read bin i - 1's results (the GPU stays one bin ahead), on the
+    device of the runtime's module."""
     from tqdm.auto import tqdm
 
     flat, starts, lengths = docs
+    device = runtime.body.probe().device
     n = len(lengths)
     bar = tqdm(total=n, unit="doc", disable=not progress, desc="autoragged run_job")
     ready: dict[int, object] = {}

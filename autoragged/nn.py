@@ -21,7 +21,7 @@ from .kernels.ragged_attention import HEAD_DIMS
 from .models.encoder import EncoderLayerSpec, encoder_values, linear_config
 from .ops import attention_values, linear_values
 from .ragged.layout import Layout
-from .ragged.tensor import RaggedTensor, _zero_gaps
+from .ragged.tensor import RaggedTensor, zero_gaps
 
 __all__ = [
     "RaggedMultiheadAttention",
@@ -158,7 +158,7 @@ class RaggedMultiheadAttention(nn.Module):
         w = self.mha.in_proj_weight
         x = _check_input(x, self.mha.embed_dim, w.dtype, w.device)
         out = mha_values(self.mha, x.values, x.layout, config, causal)
-        return x.with_values(_zero_gaps(out, x.layout))
+        return x.with_values(zero_gaps(out, x.layout))
 
 
 class RaggedTransformerEncoderLayer(nn.Module):
@@ -173,7 +173,7 @@ class RaggedTransformerEncoderLayer(nn.Module):
         w = self.layer.linear1.weight
         x = _check_input(x, self.layer.self_attn.embed_dim, w.dtype, w.device)
         out = encoder_values(*encoder_specs([self.layer], None), x.values, x.layout, config, causal)
-        return x.with_values(_zero_gaps(out, x.layout))
+        return x.with_values(zero_gaps(out, x.layout))
 
 
 class RaggedTransformerEncoder(nn.Module):
@@ -189,4 +189,4 @@ class RaggedTransformerEncoder(nn.Module):
         w = first.linear1.weight
         x = _check_input(x, first.self_attn.embed_dim, w.dtype, w.device)
         out = encoder_values(*encoder_specs(self.encoder.layers, self.encoder.norm), x.values, x.layout, config, causal)
-        return x.with_values(_zero_gaps(out, x.layout))
+        return x.with_values(zero_gaps(out, x.layout))

@@ -26,7 +26,7 @@ from .kernels import rotary as k_rope
 from .kernels._config import KernelConfig
 from .ragged.backend import use_triton
 from .ragged.layout import Layout
-from .ragged.tensor import RaggedTensor, _zero_gaps
+from .ragged.tensor import RaggedTensor, zero_gaps
 
 __all__ = [
     "ragged_attention",
@@ -239,7 +239,7 @@ def ragged_attention(
     out = attention_values(
         q.values, k.values, v.values, q.layout, causal=causal, scale=scale, config=config, window=window
     )
-    return q.with_values(_zero_gaps(out, q.layout))
+    return q.with_values(zero_gaps(out, q.layout))
 
 
 def ragged_linear(
@@ -255,7 +255,7 @@ def ragged_linear(
         raise TypeError(f"ragged_linear: x is a {type(x).__name__}, not a RaggedTensor")
     if x.values.dim() != 2:
         raise ValueError(f"ragged_linear: values must be (T, K), got {tuple(x.values.shape)}")
-    return x.with_values(_zero_gaps(linear_values(x.values, weight, bias, activation, config), x.layout))
+    return x.with_values(zero_gaps(linear_values(x.values, weight, bias, activation, config), x.layout))
 
 
 def ragged_bmm(x: RaggedTensor, weights: torch.Tensor, config: KernelConfig | None = None) -> RaggedTensor:
@@ -269,7 +269,7 @@ def ragged_bmm(x: RaggedTensor, weights: torch.Tensor, config: KernelConfig | No
             f"ragged_bmm: weights must be (B, K, N) = ({x.batch_size}, {x.values.shape[1]}, N), "
             f"got {tuple(weights.shape)}"
         )
-    return x.with_values(_zero_gaps(bmm_values(x.values, weights, x.layout, config), x.layout))
+    return x.with_values(zero_gaps(bmm_values(x.values, weights, x.layout, config), x.layout))
 
 
 def ragged_add_layer_norm(
@@ -291,7 +291,7 @@ def ragged_add_layer_norm(
     out, total = add_layer_norm_values(
         x.values, None if residual is None else residual.values, weight, bias, eps, store_sum=return_sum
     )
-    normed = x.with_values(_zero_gaps(out, x.layout))
+    normed = x.with_values(zero_gaps(out, x.layout))
     if return_sum:
-        return normed, x.with_values(_zero_gaps(total, x.layout))
+        return normed, x.with_values(zero_gaps(total, x.layout))
     return normed

@@ -27,10 +27,11 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["main", "SIGNATURES"]
+__all__ = ["main", "SIGNATURES", "setup_logging"]
 
 log = logging.getLogger("autoragged")
 
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool) -> None:
     """The CLI's handler on the "autoragged" logger (replaced, not stacked, when main runs again)."""
     for old in [h for h in log.handlers if getattr(h, "_autoragged_cli", False)]:
         log.removeHandler(old)
@@ -148,9 +149,9 @@ def _user_encoders(spec: str, device):
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"--model {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
-    from .wrapper import _targets
+    from .wrapper import find_targets
 
-    encoders = [m for _, m in _targets(model)[0] if not isinstance(m, torch.nn.TransformerEncoderLayer)]
+    encoders = [m for _, m in find_targets(model)[0] if not isinstance(m, torch.nn.TransformerEncoderLayer)]
     if not encoders:
         raise SystemExit(f"--model {spec}: no nn.TransformerEncoder or HF encoder in the model")
     return [e.eval() for e in encoders]
@@ -167,8 +168,20 @@ def _hf_model(name: str, device):
         raise SystemExit(f"--model {name}: {e}") from None
 
 
+class _PlanItem(NamedTuple):
+    """One batch of the plan: its `index` in the plan, the `slot` of the signature it measures, the length
+    `family` it draws `batch` lengths of at most `max_len` from, and the `seed` of that draw."""
+
+    index: int
+    slot: int
+    family: str
+    batch: int
+    max_len: int
+    seed: int
+
+
 def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
-    """The deterministic, endless batch plan: (index, signature slot, family, batch, max_len, item seed).
+    """The deterministic, endless batch plan of `_PlanItem`s.
 
     Two of three batches have B and max_len log-uniform over the whole range; every third is a large
     batch (B from 16 up, max_len from 128 up). Large batches take most of a long job's time, and with
@@ -187,7 +200,7 @@ def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
         low_b, low_len = (math.log2(min(16, max_batch)), math.log2(max_len // 4)) if large else (0.0, 3.0)
         batch = int(round(2 ** rng.uniform(low_b, math.log2(max_batch))))
         length = int(round(2 ** rng.uniform(low_len, math.log2(max_len))))
-        yield i, slot, family, batch, length, seed * 1_000_003 + i
+        yield _PlanItem(i, slot, family, batch, length, seed * 1_000_003 + i)
 
 
 def _suggest(trial):
@@ -196,8 +209,9 @@ def _suggest(trial):
     return KernelConfig(**{k: trial.suggest_categorical(k, v) for k, v in SPACE.items()})
 
 
-def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, batch_id):
-    """Measure one batch on the padded arm, the default ragged config and `trials` optuna proposals."""
+def _measure_item(ctx, runner, item: _PlanItem, trials, batch_id):
+    """Measure the plan's batch `item` of `runner`'s signature on the padded arm, the default ragged config and
+    `trials` optuna proposals."""
     import torch
 
     from .kernels import ragged_attention as k_attn
@@ -208,10 +222,11 @@ def _measure_item(ctx, runner, sig, family, batch, max_len, item_seed, trials, b
     from .tuning_db import BatchStats, Measurement
     from .workloads import sample
 
-    rng = np.random.default_rng(item_seed)
-    lengths = tuple(sample(family, batch, max_len, rng))
+    sig, family = runner.sig, item.family
+    rng = np.random.default_rng(item.seed)
+    lengths = tuple(sample(family, item.batch, item.max_len, rng))
     stats = BatchStats.from_lengths(lengths)
-    run = runner.batch_runner(lengths, stats, seed=item_seed)
+    run = runner.batch_runner(lengths, stats, seed=item.seed)
     head_dim = sig.d_model // sig.heads
     default = Arm("ragged", default_ragged_config(head_dim, stats.max_len))
     arms = [PADDED, default]
@@ -368,7 +383,8 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
         mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s {postfix}",
     )  # fmt: skip
     try:
-        for i, slot, family, batch, max_len, item_seed in _plan(names, args.quick, on_gpu, args.seed):
+        for planned in _plan(names, args.quick, on_gpu, args.seed):
+            slot, family, batch, max_len = planned.slot, planned.family, planned.batch, planned.max_len
             elapsed = time.monotonic() - start
             if args.max_batches is not None and measured >= args.max_batches:
                 capped = True
@@ -380,16 +396,14 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
                     overrun = True
                     log.info("the budget is spent with %d measurements, fewer than a fit needs: measuring on, "
                              "for at most %.0f s in all", rows, _HARD_CAP * total_s)  # fmt: skip
-            item = str(i)
+            item = str(planned.index)
             if item in done:
                 skipped += 1
                 continue
             sig = sigs[slot]
             began = time.monotonic()
             try:
-                new = _measure_item(
-                    ctx, runners[slot], sig, family, batch, max_len, item_seed, trials, f"{plan_name}|{item}"
-                )
+                new = _measure_item(ctx, runners[slot], planned, trials, f"{plan_name}|{item}")
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 log.info(
@@ -491,7 +505,7 @@ def _print_fit(model_id: int, key, metrics: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = _parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     if args.budget <= 0:
         log.error("--budget must be positive, got %s", args.budget)
         return 2

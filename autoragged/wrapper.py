@@ -19,7 +19,7 @@ from .runtime.core import POLICIES, Options, Runtime
 from .runtime.recorder import RECORDER
 from .tuning_db import Decision, default_path
 
-__all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "POLICIES"]
+__all__ = ["wrap", "unwrap", "recent_decisions", "graph_stats", "flush", "find_targets", "POLICIES"]
 
 log = logging.getLogger("autoragged")
 
@@ -76,7 +76,7 @@ def wrap(
     if graph_cap is not None and (not isinstance(graph_cap, int) or graph_cap < 1):
         raise ValueError(f"graph_cap must be None (sized from memory) or an int >= 1, got {graph_cap!r}")
     name = type(model).__name__  # (before an adapter swaps the class of a module it wraps)
-    targets, skipped = _targets(model)
+    targets, skipped = find_targets(model)
     if not targets:
         raise ValueError(
             f"wrap found nothing it can run in {type(model).__name__}: autoragged wraps nn.TransformerEncoder / "
@@ -107,7 +107,7 @@ def wrap(
     return model
 
 
-def _targets(model: nn.Module) -> tuple[list, list[str]]:
+def find_targets(model: nn.Module) -> tuple[list, list[str]]:
     """([(adapter, module)] to wrap, in module order, none inside another; [why a module is not wrapped])."""
     found, skipped = [], []
     for adapter in adapters_for(model):

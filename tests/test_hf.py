@@ -158,7 +158,7 @@ def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypa
     if kernels == "reference":
         use_reference(monkeypatch)
     seen = []
-    from_padded = core._from_padded
+    from_padded = core.ragged_from_padded
 
     def spy(x, lens, align, seq_axis, rows=None):
         rt = from_padded(x, lens, align, seq_axis, rows)
@@ -166,7 +166,7 @@ def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypa
         return rt
 
     monkeypatch.setattr(core, "_eager_rows", lambda config, x, causal, total: cublas_rows(total))
-    monkeypatch.setattr(core, "_from_padded", spy)
+    monkeypatch.setattr(core, "ragged_from_padded", spy)
     model = autoragged.wrap(model_of("bert"), db=False, policy="ragged")
     kwargs, keep = batch(lengths=(9, 3, 5), token_types=True)
     with torch.no_grad():
@@ -502,7 +502,7 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
             ran.append((v.shape[0], config.backend))
             return body.values(v, layout, config, causal)
 
-        pads = mask_pass(values_fn, args, meta, values, layout, batch, programs, config, False, width)
+        pads = mask_pass(values_fn, args, values, layout, config, False)
         pooled = body.family.pool(model, out)
         plain = _unwrapped(model)
         want, want64 = plain(**kwargs), copy.deepcopy(plain).double()(**kwargs)

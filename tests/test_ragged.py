@@ -54,15 +54,15 @@ def test_round_trip_identity(backend, align, lengths, dtype):
 
 @pytest.mark.parametrize("lengths", [(5, 0, 3), (1,), (70, 2, 9, 33)])
 def test_spare_rows_follow_the_components_as_zeros(backend, lengths):
-    """`_from_padded(rows=)`, the eager arm's cuBLAS rung (`cublas_rows`): the components keep their packed
+    """`ragged_from_padded(rows=)`, the eager arm's cuBLAS rung (`cublas_rows`): the components keep their packed
     offsets, the rows past them are zeros in no component, and unpacking gives the tokens back."""
     from autoragged.planning.buckets import cublas_rows
-    from autoragged.ragged.tensor import _from_padded
+    from autoragged.ragged.tensor import ragged_from_padded
 
     x = _padded(lengths, (4,), torch.float32, backend)
     rows = cublas_rows(sum(lengths))
     assert rows >= max(256, sum(lengths))
-    rt = _from_padded(x, lengths, 1, 1, rows)
+    rt = ragged_from_padded(x, lengths, 1, 1, rows)
     assert rt.values.shape == (rows, 4) and rt.layout.rows == rows
     assert list(rt.layout.offsets) == np.concatenate([[0], np.cumsum(lengths)]).tolist()
     assert (rt.values[sum(lengths) :] == 0).all()
@@ -70,8 +70,8 @@ def test_spare_rows_follow_the_components_as_zeros(backend, lengths):
     for i, n in enumerate(lengths):
         assert torch.equal(back[i, :n], x[i, :n])
     # aligned layouts, and rows the packing fills anyway, are left as they were
-    assert _from_padded(x, lengths, 8, 1, rows).layout.rows == sum(_aligned(n, 8) for n in lengths)
-    assert _from_padded(x, lengths, 1, 1, 1).layout.rows == sum(lengths)
+    assert ragged_from_padded(x, lengths, 8, 1, rows).layout.rows == sum(_aligned(n, 8) for n in lengths)
+    assert ragged_from_padded(x, lengths, 1, 1, 1).layout.rows == sum(lengths)
 
 
 @settings(max_examples=25, deadline=None)

@@ -375,7 +375,7 @@ def test_a_write_sqlite_refuses_is_one_line_and_exit_2(tmp_path, monkeypatch, ca
 
     path = tmp_path / "t.sqlite"
     TuningDB.open(path).close()
-    monkeypatch.setattr(_db, "_connect", lambda p: _connect._connect_readonly(p))
+    monkeypatch.setattr(_db, "connect_wal", lambda p: _connect.connect_readonly(p))
     line = _one_error_line(capsys, "--db", str(path), "--device", "cpu", "--quick", "--max-batches", "1")
     assert str(path) in line and "read-only" in line
 

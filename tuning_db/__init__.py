@@ -18,6 +18,7 @@ Layer rule: this package imports sqlite-utils and the standard library only (no 
 sqlite-utils itself is imported when a database is opened, so importing the records is cheap.
 """
 
+from ._connect import check_location
 from ._db import DEFAULT_KEEP_DECISIONS, KEEP_ENV_VAR, ModelRecord, TuningDB, default_path, keep_decisions
 from ._errors import DamagedDatabase, DatabaseError, ReadOnlyDatabase, RowError
 from ._rows import Skipped
@@ -40,6 +41,7 @@ __all__ = [
     "RowError",
     "Skipped",
     "default_path",
+    "check_location",
     "keep_decisions",
     "KEEP_ENV_VAR",
     "DEFAULT_KEEP_DECISIONS",

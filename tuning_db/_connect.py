@@ -11,13 +11,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._errors import DamagedDatabase, DatabaseError, ReadOnlyDatabase, _code, explain
+from ._errors import DamagedDatabase, DatabaseError, ReadOnlyDatabase, explain, sqlite_code
 from .migrations import MIGRATIONS, MIGRATIONS_TABLE, READER_OPTIONAL, applied_migrations, migrate, unknown_migrations
 
 if TYPE_CHECKING:
     import sqlite_utils
 
-__all__ = ["ENV_VAR", "BUSY_TIMEOUT_S"]
+__all__ = [
+    "ENV_VAR", "BUSY_TIMEOUT_S", "directory_error", "check_location", "check_intact", "connect_optuna", "connect_wal",
+    "connect_readonly", "migrate_checked", "check_readable",
+]  # fmt: skip
 
 log = logging.getLogger("autoragged")
 
@@ -29,19 +32,19 @@ BUSY_TIMEOUT_S = 30.0  # how long a writer waits for another process's write tra
 _PASS_A_FILE = f"wrap's db=, the --db of tune and report, or ${ENV_VAR}"
 
 
-def _directory_error(path: Path) -> DatabaseError:
+def directory_error(path: Path) -> DatabaseError:
     return DatabaseError(
         f"the tuning database path {path} is a directory; name a file in it ({_PASS_A_FILE}), "
         f"e.g. {path / 'tuning.sqlite'}"
     )
 
 
-def _check_location(path: Path) -> None:
+def check_location(path: Path) -> None:
     """Fail early, with the remedy, on a path SQLite could only report as 'unable to open database file', and on a
     file this process cannot write (ReadOnlyDatabase: it can be opened read-only). os.access is the kernel's own
     answer for this process: root may write a file without write permission, but not on a read-only mount."""
     if path.is_dir():
-        raise _directory_error(path)
+        raise directory_error(path)
     parent = path.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +85,7 @@ def _quick_check(conn: sqlite3.Connection, path: Path) -> str | None:
     return None if problem == "ok" else " ".join(problem.split())  # its report spans lines
 
 
-def _check_intact(conn: sqlite3.Connection, path: Path) -> None:
+def check_intact(conn: sqlite3.Connection, path: Path) -> None:
     """Refuse a file with damaged pages before anything reads or writes it (SQLite itself fails only on the queries
     that read them, and a writer went on adding rows to such a file)."""
     try:
@@ -125,11 +128,12 @@ def _decode_text(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def _connect_optuna(path: str) -> sqlite3.Connection:
+def connect_optuna(path: str) -> sqlite3.Connection:
+    """optuna's connection to the file (SQLAlchemy's `creator`): its own transactions, the same busy timeout."""
     return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+def connect_wal(path: Path) -> sqlite3.Connection:
     """A connection with explicit transactions, usable from any thread, in WAL mode."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None)
     conn.text_factory = _decode_text
@@ -163,7 +167,7 @@ def _uri_connect(path: Path, query: str) -> sqlite3.Connection:
     return conn
 
 
-def _connect_readonly(path: Path) -> sqlite3.Connection:
+def connect_readonly(path: Path) -> sqlite3.Connection:
     """A read-only connection. A reader of a WAL file needs its -shm file: in a directory it cannot write, where
     none is there, SQLite refuses the file ("unable to open database file", or "attempt to write a readonly
     database"), so the file is then opened as immutable: no locks, and no WAL read (a writer's last close
@@ -175,21 +179,22 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
     except sqlite3.OperationalError as e:
         conn.close()
         text = str(e)
-        if not (_code(e).startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY")) or "unable to open" in text
+        if not (sqlite_code(e).startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY")) or "unable to open" in text
                 or "readonly" in text):  # fmt: skip
             raise
         log.debug("tuning database %s: read as immutable (%s)", path, e)
     return _uri_connect(path, "mode=ro&immutable=1")
 
 
-def _migrate(db: sqlite_utils.Database, path: Path) -> None:
+def migrate_checked(db: sqlite_utils.Database, path: Path) -> None:
+    """A writer's preparation: apply the migrations this autoragged knows, refusing a file a newer one wrote."""
     _check_not_newer(db, path)
     applied = migrate(db)
     _check_not_newer(db, path)  # a newer process may have migrated while we did
     log.debug("tuning database %s open (schema %d, applied now: %s)", path, len(MIGRATIONS), applied)
 
 
-def _check_readable(db: sqlite_utils.Database, path: Path) -> None:
+def check_readable(db: sqlite_utils.Database, path: Path) -> None:
     """A reader must not change a file it was merely pointed at: refuse what it would have to migrate."""
     _check_not_newer(db, path)
     applied = applied_migrations(db)

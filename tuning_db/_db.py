@@ -30,24 +30,24 @@ from typing import TYPE_CHECKING, Any
 from ._connect import (
     BUSY_TIMEOUT_S,
     ENV_VAR,
-    _check_intact,
-    _check_location,
-    _check_readable,
-    _connect,
-    _connect_optuna,
-    _connect_readonly,
-    _directory_error,
-    _migrate,
+    check_intact,
+    check_location,
+    check_readable,
+    connect_optuna,
+    connect_readonly,
+    connect_wal,
+    directory_error,
+    migrate_checked,
 )  # fmt: skip
 from ._encode import (
-    _DECISION_REQUIRED,
-    _MEASUREMENT_REQUIRED,
-    _dumps,
-    _finite_decision,
-    _finite_measurement,
-    _key,
+    DECISION_REQUIRED,
+    MEASUREMENT_REQUIRED,
     decision_row,
+    finite_decision,
+    finite_measurement,
+    key_of,
     measurement_row,
+    strict_json,
 )  # fmt: skip
 from ._errors import DatabaseError, RowError, explain
 from ._rows import (
@@ -66,9 +66,9 @@ from .migrations import (
     write_transaction,
 )
 from .records import (
-    _MAXES,
-    _MINS,
-    _SUMS,
+    MAX_TOTALS,
+    MIN_TOTALS,
+    SUMMED_TOTALS,
     BucketTotals,
     Decision,
     DecisionTotals,
@@ -92,7 +92,7 @@ log = logging.getLogger("autoragged")
 # pictures, and any query of single batches, read them); older ones are added up into decision_totals and
 # decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). 20,000 rows and
 # their indexes take 12 MB of file per module, flat over 1M batches (benchmarks/soak.py), and the report's
-# decision map draws at most 20,000 points anyway (`autoragged.report._MAX_MAP_POINTS`).
+# decision map draws at most 20,000 points anyway (`autoragged.report.plots._MAX_MAP_POINTS`).
 KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
 DEFAULT_KEEP_DECISIONS = 20_000
 _warned_keep: set[str] = set()
@@ -154,10 +154,10 @@ def _upsert(table: str, cls: type) -> tuple[str, list[str]]:
     names = [f.name for f in dataclasses.fields(cls)]
     sets = []
     for name in names:
-        if name in _SUMS:
+        if name in SUMMED_TOTALS:
             sets.append(f"{name} = {name} + excluded.{name}")
-        elif name in _MINS or name in _MAXES:
-            pick = "min" if name in _MINS else "max"  # the scalar min/max of SQLite: NULL when either is NULL
+        elif name in MIN_TOTALS or name in MAX_TOTALS:
+            pick = "min" if name in MIN_TOTALS else "max"  # the scalar min/max of SQLite: NULL when either is NULL
             sets.append(f"{name} = coalesce({pick}({name}, excluded.{name}), {name}, excluded.{name})")
     sql = (
         f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))}) "
@@ -184,7 +184,7 @@ def _where(**filters: Any) -> tuple[str | None, list[Any]]:
         if value is None:
             continue
         clauses.append("time >= ?" if column == "since" else f"{column} = ?")
-        args.append(_key(value))
+        args.append(key_of(value))
     return (" AND ".join(clauses) or None), args
 
 
@@ -214,13 +214,13 @@ class TuningDB:
         """
         db_path = default_path() if path is None else Path(os.path.abspath(Path(path).expanduser()))
         if db_path.is_dir():
-            raise _directory_error(db_path)
+            raise directory_error(db_path)
         if readonly:
             if not db_path.is_file():
                 raise DatabaseError(f"no tuning database at {db_path} (nothing was recorded there yet)")
-            return cls._open_with(db_path, "opening it read-only", _connect_readonly, _check_readable, readonly=True)
-        _check_location(db_path)
-        return cls._open_with(db_path, "opening it", _connect, _migrate)
+            return cls._open_with(db_path, "opening it read-only", connect_readonly, check_readable, readonly=True)
+        check_location(db_path)
+        return cls._open_with(db_path, "opening it", connect_wal, migrate_checked)
 
     @classmethod
     def _open_with(cls, db_path: Path, doing: str, connect, prepare, readonly: bool = False) -> TuningDB:
@@ -231,7 +231,7 @@ class TuningDB:
         conn = None
         try:
             conn = connect(db_path)
-            _check_intact(conn, db_path)
+            check_intact(conn, db_path)
             db = sqlite_utils.Database(conn, execute_plugins=False)
             prepare(db, db_path)
         except sqlite3.Error as e:
@@ -335,7 +335,7 @@ class TuningDB:
     def optuna_engine_kwargs(self) -> dict[str, Any]:
         """Engine arguments for optuna's `RDBStorage(url, engine_kwargs=...)` that connect to this file by its
         path (a `creator`), whatever SQLAlchemy version reads the URL."""
-        return {"creator": functools.partial(_connect_optuna, str(self.path))}
+        return {"creator": functools.partial(connect_optuna, str(self.path))}
 
     def counts(self) -> dict[str, int]:
         """Rows per table of this package (not optuna's), for reports and tests."""
@@ -383,7 +383,7 @@ class TuningDB:
         if not config:
             raise ValueError("config is empty: the padded arm has no kernel config to register")
         key = config_key(config)
-        row = {"key": key, "op": op, "config": _dumps(config, "config")}
+        row = {"key": key, "op": op, "config": strict_json(config, "config")}
         with self._write("registering a kernel config") as db:
             db["kernel_configs"].upsert(row, pk="key")
         return key
@@ -398,7 +398,7 @@ class TuningDB:
         skipped: None (default) raises on a record that cannot be stored, and nothing is written; a list
         collects (record, why) for such records, stores non-finite optional values (p10_ms, p90_ms) as NULL, and
         writes every other record (what the runtime's recorder does: one bad record must not cost the rest)."""
-        rows = self._encoded(measurements, measurement_row, _finite_measurement, skipped, _MEASUREMENT_REQUIRED)
+        rows = self._encoded(measurements, measurement_row, finite_measurement, skipped, MEASUREMENT_REQUIRED)
         if rows:
             with self._write(f"writing {len(rows)} measurements") as db:
                 db["measurements"].insert_all(rows)
@@ -429,7 +429,7 @@ class TuningDB:
         written; a list collects (record, why) for such records and writes every other one, with non-finite
         predictions left out of predicted_ms and a non-finite measured_ms stored as NULL (unusable values, not
         reasons to lose the batch's record)."""
-        rows = self._encoded(decisions, decision_row, _finite_decision, skipped, _DECISION_REQUIRED)
+        rows = self._encoded(decisions, decision_row, finite_decision, skipped, DECISION_REQUIRED)
         if rows:
             with self._write(f"writing {len(rows)} decisions") as db:
                 db["decisions"].insert_all(rows)
@@ -542,12 +542,12 @@ class TuningDB:
     ) -> int:
         """Store a fitted model (payload and metrics as strict JSON, never pickle); returns its id."""
         row = {
-            "device": _key(device),
-            "signature": _key(signature),
+            "device": key_of(device),
+            "signature": key_of(signature),
             "feature_version": feature_version,
             "kind": kind,
-            "payload": _dumps(payload, "model payload"),
-            "metrics": _dumps(metrics, "model metrics"),
+            "payload": strict_json(payload, "model payload"),
+            "metrics": strict_json(metrics, "model metrics"),
             "created": time.time(),
         }
         with self._write("saving a model") as db:
@@ -573,7 +573,7 @@ class TuningDB:
         order = "created DESC, id DESC"
         if signature is not None:
             where = (f"{where} AND " if where else "") + "signature IN (?, '*')"
-            args.append(_key(signature))
+            args.append(key_of(signature))
             order = "signature = '*', " + order  # 0 (fit for this signature) sorts first
         select = f"{_MODEL_COLUMNS}, length(CAST(payload AS BLOB)) AS payload_bytes"
         with self._use("reading models") as db:
@@ -607,7 +607,7 @@ class TuningDB:
     def mark_done(self, device: str | DeviceKey, plan: str, items: Iterable[str]) -> int:
         """Record `items` of a tuning `plan` as finished (one transaction); returns how many were new."""
         now = time.time()
-        rows = [{"device": _key(device), "plan": plan, "item": item, "done": now} for item in items]
+        rows = [{"device": key_of(device), "plan": plan, "item": item, "done": now} for item in items]
         if not rows:
             return 0
         with self._write("marking tuning items done") as db:

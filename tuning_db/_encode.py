@@ -10,17 +10,20 @@ from typing import Any
 
 from .records import BatchStats, Decision, DeviceKey, Measurement, ModuleSignature, config_key
 
-__all__ = ["decision_row", "measurement_row"]
+__all__ = [
+    "decision_row", "measurement_row", "key_of", "strict_json", "finite_decision", "finite_measurement",
+    "DECISION_REQUIRED", "MEASUREMENT_REQUIRED",
+]  # fmt: skip
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(BatchStats))
 
 
-def _key(value: Any) -> Any:
+def key_of(value: Any) -> Any:
     """A `DeviceKey`/`ModuleSignature` stands for its `.key`; strings (and None) pass through."""
     return value.key if isinstance(value, (DeviceKey, ModuleSignature)) else value
 
 
-def _dumps(value: Any, what: str) -> str:
+def strict_json(value: Any, what: str) -> str:
     """Strict, compact JSON of `value`; a clear error when it is not JSON (arrays, NaN, objects)."""
     try:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
@@ -40,13 +43,13 @@ def decision_row(d: Decision) -> dict[str, Any]:
     return _check_finite_row(
         {
             "time": d.time,
-            "device": _key(d.device),
-            "signature": _key(d.signature),
+            "device": key_of(d.device),
+            "signature": key_of(d.signature),
             "arm": d.arm,
             "config_key": config_key(d.config),
-            "config": None if d.config is None else _dumps(d.config, "Decision.config"),
+            "config": None if d.config is None else strict_json(d.config, "Decision.config"),
             **_stats_row(d.stats),
-            "predicted_ms": _dumps(d.predicted_ms, "Decision.predicted_ms"),
+            "predicted_ms": strict_json(d.predicted_ms, "Decision.predicted_ms"),
             "reason": d.reason,
             "measured_ms": d.measured_ms,
         },
@@ -58,11 +61,11 @@ def measurement_row(m: Measurement) -> dict[str, Any]:
     """The `measurements` row of `m` (without id); ValueError for a value JSON or SQLite would not keep."""
     return _check_finite_row(
         {
-            "device": _key(m.device),
-            "signature": _key(m.signature),
+            "device": key_of(m.device),
+            "signature": key_of(m.signature),
             "arm": m.arm,
             "config_key": config_key(m.config),
-            "config": None if m.config is None else _dumps(m.config, "Measurement.config"),
+            "config": None if m.config is None else strict_json(m.config, "Measurement.config"),
             **_stats_row(m.stats),
             "median_ms": m.median_ms,
             "p10_ms": m.p10_ms,
@@ -71,7 +74,7 @@ def measurement_row(m: Measurement) -> dict[str, Any]:
             "time": m.time,
             "source": m.source,
             "distribution": m.distribution,
-            "extra": _dumps(m.extra, "Measurement.extra"),
+            "extra": strict_json(m.extra, "Measurement.extra"),
         },
         "Measurement",
     )
@@ -81,7 +84,7 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _finite_decision(d: Decision) -> Decision:
+def finite_decision(d: Decision) -> Decision:
     """`d` without the values no one can use: non-finite predictions left out, a non-finite measured_ms None."""
     predicted = d.predicted_ms
     if isinstance(predicted, dict) and not all(map(_finite, predicted.values())):
@@ -92,7 +95,7 @@ def _finite_decision(d: Decision) -> Decision:
     return dataclasses.replace(d, predicted_ms=predicted, measured_ms=measured)
 
 
-def _finite_measurement(m: Measurement) -> Measurement:
+def finite_measurement(m: Measurement) -> Measurement:
     """`m` with non-finite spread values (p10_ms, p90_ms, nullable) as None; a non-finite median stays and fails."""
     p10 = m.p10_ms if m.p10_ms is None or _finite(m.p10_ms) else None
     p90 = m.p90_ms if m.p90_ms is None or _finite(m.p90_ms) else None
@@ -108,7 +111,7 @@ def _check_finite_row(row: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 # NOT NULL columns (migrations.py): a record without one would fail its whole batch's transaction
-_DECISION_REQUIRED = ("time", "device", "signature", "arm", "config_key", *_STATS_FIELDS, "predicted_ms", "reason")
-_MEASUREMENT_REQUIRED = (
+DECISION_REQUIRED = ("time", "device", "signature", "arm", "config_key", *_STATS_FIELDS, "predicted_ms", "reason")
+MEASUREMENT_REQUIRED = (
     "device", "signature", "arm", "config_key", *_STATS_FIELDS, "median_ms", "reps", "time", "source"
 )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-__all__ = ["DatabaseError", "DamagedDatabase", "ReadOnlyDatabase", "RowError", "explain"]
+__all__ = ["DatabaseError", "DamagedDatabase", "ReadOnlyDatabase", "RowError", "explain", "sqlite_code"]
 
 _MOVE_AWAY = "move it away or point AUTORAGGED_DB elsewhere"
 
@@ -40,7 +40,7 @@ class RowError(DatabaseError):
         super().__init__(f"{table} row {row_id} of the tuning database {path}: {problem}; {remedy}")
 
 
-def _code(error: sqlite3.Error) -> str:
+def sqlite_code(error: sqlite3.Error) -> str:
     """SQLite's error name (`SQLITE_CORRUPT`, ...) where Python exposes it (3.11+), else ""."""
     return getattr(error, "sqlite_errorname", "") or ""
 
@@ -48,7 +48,7 @@ def _code(error: sqlite3.Error) -> str:
 def explain(error: sqlite3.Error, path: Path, doing: str) -> DatabaseError:
     """Translate a sqlite3 error raised while `doing` (e.g. "writing decisions") into a DatabaseError."""
     text = str(error)
-    code = _code(error)
+    code = sqlite_code(error)
     if code.startswith("SQLITE_CORRUPT") or "malformed" in text:
         return DamagedDatabase(
             f"the tuning database {path} is damaged: SQLite found it corrupt while {doing} ({text}); {_MOVE_AWAY}"

@@ -20,7 +20,7 @@ _sumprod = getattr(math, "sumprod", lambda a, b: sum(map(operator.mul, a, b)))
 
 __all__ = [
     "BatchStats", "DeviceKey", "ModuleSignature", "Decision", "Measurement", "DecisionTotals", "BucketTotals",
-    "config_key",
+    "config_key", "SUMMED_TOTALS", "MIN_TOTALS", "MAX_TOTALS",
 ]  # fmt: skip
 
 
@@ -189,17 +189,17 @@ class Measurement:
 
 # Rolled-up decisions: what the database keeps of the decisions it no longer keeps one by one (`TuningDB.
 # prune_decisions`). Counts and sums add up, minima and maxima combine, so totals merge in any order.
-_SUMS = ("batches", "sampled", "measured_sum", "ape_batches", "ape_sum", "saved_batches", "chosen_ms", "padded_ms",
-         "ragged_ms", "exploring")  # fmt: skip
-_MINS = ("first", "measured_min")
-_MAXES = ("last", "measured_max")
+SUMMED_TOTALS = ("batches", "sampled", "measured_sum", "ape_batches", "ape_sum", "saved_batches", "chosen_ms",
+                 "padded_ms", "ragged_ms", "exploring")  # fmt: skip
+MIN_TOTALS = ("first", "measured_min")
+MAX_TOTALS = ("last", "measured_max")
 
 
 def _merge(into: Any, other: Any) -> None:
-    for name in _SUMS:
+    for name in SUMMED_TOTALS:
         if hasattr(into, name):
             setattr(into, name, getattr(into, name) + getattr(other, name))
-    for names, pick in ((_MINS, min), (_MAXES, max)):
+    for names, pick in ((MIN_TOTALS, min), (MAX_TOTALS, max)):
         for name in names:
             a, b = getattr(into, name), getattr(other, name)
             setattr(into, name, b if a is None else a if b is None else pick(a, b))

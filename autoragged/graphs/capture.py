@@ -62,9 +62,11 @@ class GraphKey(NamedTuple):
 
 
 class _StaticLayout:
-    """What the ragged kernels read of a layout, as views of one static int32 buffer the graph fills."""
+    """What the ragged kernels read of a layout, as views of one static int32 buffer the graph fills: `meta`, laid
+    out for `batch` rows and `programs` attention programs (kernels/graph_layout.py); max_len: the graph's width."""
 
     def __init__(self, meta: torch.Tensor, batch: int, programs: int, block_m: int, align: int, max_len: int):
+        self.meta, self.batch, self.programs = meta, batch, programs
         self.offsets, self.lengths, self.grid_mapping, self.block_offsets = graph_layout.sections(meta, batch, programs)
         self.block_m, self.align, self.max_len = block_m, align, max_len
         self.live = self.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
@@ -160,11 +162,12 @@ def event_done(event: torch.cuda.Event) -> None:
         event.synchronize()
 
 
-def mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width):
+def mask_pass(values_fn, args, values, layout: _StaticLayout, config, causal):
     """What a graph fed a mask runs, on the batch `args` points at (kernels/masked_pack.py): the layout counted
-    from the mask, pack, the layers (`values_fn`, a body's `values`), unpack. Returns each row's pads over
-    `width` columns (for the decision record)."""
+    from the mask into `layout`'s buffer, pack, the layers (`values_fn`, a body's `values`), unpack. Returns each
+    row's pads over the graph's width (`layout.max_len`) columns (for the decision record)."""
     first = layout.key_lengths is not None
+    meta, batch, programs, width = layout.meta, layout.batch, layout.programs, layout.max_len
     graph_layout.layout(args, meta, batch, programs, config.block_m, 1, from_mask=True, first_column=first)
     masked_pack.pack_masked(args, values, layout.offsets, batch, width, first)
     out = values_fn(values, layout, config, causal)
@@ -180,7 +183,7 @@ class RaggedGraph:
     `KernelConfig` (Triton linears); tile_rows: the rows its batches are expected to fill (the Triton linears pick
     their tiles for them)."""
 
-    def __init__(self, body, module, key: GraphKey, config, dtype, device, pool, stream, tile_rows=None):
+    def __init__(self, body, module, key: GraphKey, config, dtype, device, stream, tile_rows=None):
         if config.backend != "triton":
             raise ValueError(f"a ragged graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self.key, self.config, self.dtype, self.device = key, config, dtype, device
@@ -216,7 +219,7 @@ class RaggedGraph:
                 mailbox.fetch()
                 if embed is not None:
                     embed()
-                return mask_pass(values_fn, args, meta, values, layout, batch, programs, config, causal, width)
+                return mask_pass(values_fn, args, values, layout, config, causal)
 
         else:
             extent = -(-width // align) * align

@@ -22,7 +22,8 @@ run the model's own modules with our attention through transformers' attention i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch import nn
 
 from .. import ops
 
-__all__ = ["why_not", "run"]
+__all__ = ["why_not", "run", "DecoderStack"]
 
 # RMSNorm classes whose forward is LlamaRMSNorm's (weight * normalised.to(dtype), statistics in fp32)
 _RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -99,20 +100,27 @@ def _mlp(mlp, h) -> torch.Tensor:
     return F.linear(ops.silu_mul_values(gate, up), mlp.down_proj.weight, mlp.down_proj.bias)
 
 
+class DecoderStack(NamedTuple):
+    """The modules the fused path runs: the decoder `layers` (those `why_not` accepted), the model's `final_norm`,
+    and the family's `window_of(attention module)` -> that layer's sliding window or None."""
+
+    layers: Sequence[nn.Module]
+    final_norm: nn.Module
+    window_of: Callable
+
+
 def run(
-    layers,
-    final_norm,
+    stack: DecoderStack,
     x: torch.Tensor,
     layout,
     kernel_config,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    window_of: Callable,
     sink=None,
     hidden: list | None = None,
 ) -> torch.Tensor:
-    """The layers and the final norm on packed values x (rows, D) -> (rows, D). position_embeddings: HF's
-    (cos, sin), (1, rows, Dh) gathered per packed row; window_of(attention module) -> its sliding window or
-    None; sink and hidden as `HFDecoderBody.values`."""
+    """The stack's layers and final norm on packed values x (rows, D) -> (rows, D). position_embeddings: HF's
+    (cos, sin), (1, rows, Dh) gathered per packed row; sink and hidden as `HFDecoderBody.values`."""
+    layers, final_norm, window_of = stack
     cos, sin = (t[0] for t in position_embeddings)
     residual, branch = None, x
     for layer in layers:

@@ -52,6 +52,7 @@ def _original(module) -> str:
     return _SWITCHED.get(id(getattr(module, "config", None)), "sdpa")
 
 
+# over 8 parameters: transformers' attention interface (ALL_ATTENTION_FUNCTIONS) dictates this signature
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """transformers' attention-function convention: q (1, H, rows, Dh), k/v (1, Hkv, rows, Dh) -> (out
     (1, rows, H, Dh), None). Outside a ragged arm: the implementation the module's config had."""

@@ -55,7 +55,7 @@ from transformers import modeling_outputs as outputs
 
 from ..kernels import ragged_attention as k_attn
 from ..ragged.layout import Layout
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_rows, pad_mask
+from ..ragged.tensor import RaggedTensor, mask_rows, pad_mask, padded_from_ragged, ragged_from_padded
 from ..tuning_db import ModuleSignature
 from . import fused_decoder as _fused_decoder
 from . import hf as _hf
@@ -228,11 +228,10 @@ class HFDecoderBody(_hf.HFBody):
         kwargs = {"position_embeddings": self._rope(h, layout, rows, call)} if family.rotary else {}
         sink = call.cache_sink(layout) if call is not None else None
         if self.unfused is None and FUSED_LAYERS and not torch.compiler.is_compiling():
-            layers = self._list[: self.config.num_hidden_layers]
-            return _fused_decoder.run(
-                layers, family.norm(base), x, layout, config, kwargs["position_embeddings"], family.window_of,
-                sink, hidden,
-            )  # fmt: skip
+            stack = _fused_decoder.DecoderStack(
+                self._list[: self.config.num_hidden_layers], family.norm(base), family.window_of
+            )
+            return _fused_decoder.run(stack, x, layout, config, kwargs["position_embeddings"], sink, hidden)
         with _hf.ragged_attention_of(base.config, layout, config, sink):
             for layer in self._list[: self.config.num_hidden_layers]:
                 h = layer(h, **kwargs)
@@ -401,13 +400,13 @@ class HFDecoderCall(_hf.HFCall):
         if self.ids is None:
             return super().padded(module, lens, stats)
         ids = self.ids  # a RaggedTensor input on the padded arm: pad it, run the original, pack its output
-        padded_ids = _to_padded(ids, 0, self.L, 1)
+        padded_ids = padded_from_ragged(ids, 0, self.L, 1)
         mask = ~pad_mask(lens, self.L, self.device)
         out = self.body.forward_of(module)(**{**self.kwargs, "input_ids": padded_ids, "attention_mask": mask,
                                               "use_cache": False, "return_dict": True})  # fmt: skip
-        fields = {"last_hidden_state": _from_padded(out.last_hidden_state, lens, ids.align, 1)}
+        fields = {"last_hidden_state": ragged_from_padded(out.last_hidden_state, lens, ids.align, 1)}
         if out.get("hidden_states") is not None:
-            fields["hidden_states"] = tuple(_from_padded(h, lens, ids.align, 1) for h in out.hidden_states)
+            fields["hidden_states"] = tuple(ragged_from_padded(h, lens, ids.align, 1) for h in out.hidden_states)
         if out.get("attentions") is not None:
             fields["attentions"] = out.attentions
         result = self.body.family.output(**fields)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..nn import activation_kind, encoder_specs, support_error
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, _zero_pads, pad_mask
+from ..ragged.tensor import RaggedTensor, pad_mask, padded_from_ragged, ragged_from_padded, zero_pads
 from ..tuning_db import ModuleSignature
 from .base import Body, Call, EpochCache
 from .encoder import encoder_values
@@ -191,21 +191,21 @@ class TorchCall(Call):
     def padded(self, module, lens, stats):
         body, ragged_in, L = self.body, self.ragged_in, self.L
         seq_axis = 1 if body.batch_first else 0
-        padded_in = _to_padded(ragged_in, 0.0, L, seq_axis) if ragged_in is not None else self.src
+        padded_in = padded_from_ragged(ragged_in, 0.0, L, seq_axis) if ragged_in is not None else self.src
         has_pads = stats.total < stats.batch * L
         kpm = self.kpm
         if kpm is None or ragged_in is not None:
             kpm = pad_mask(lens, L, self.device) if has_pads else None
         out = body.base.forward(module, padded_in, self.attn_mask, kpm, self.is_causal)
         if has_pads and kpm is not None:
-            out = _zero_pads(out, kpm if kpm.dtype == torch.bool else torch.isneginf(kpm), body.batch_first)
+            out = zero_pads(out, kpm if kpm.dtype == torch.bool else torch.isneginf(kpm), body.batch_first)
         if ragged_in is not None:
-            return _from_padded(out, lens, ragged_in.align, seq_axis)
+            return ragged_from_padded(out, lens, ragged_in.align, seq_axis)
         return out
 
     def padded_mask(self, module):
         out = self.body.base.forward(module, self.x, None, self.kpm, None)
-        return _zero_pads(out, self.kpm, self.body.batch_first)
+        return zero_pads(out, self.kpm, self.body.batch_first)
 
 
 class TorchEncoderAdapter:

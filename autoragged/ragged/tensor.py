@@ -17,7 +17,7 @@ from .layout import Layout, as_lengths, check_align
 
 __all__ = [
     "RaggedTensor", "lengths_from_mask", "mask_lengths", "strip_padding", "restore_padding", "pad_mask", "mask_rows",
-    "pack_by_mask", "unpack_by_mask",
+    "pack_by_mask", "unpack_by_mask", "ragged_from_padded", "padded_from_ragged", "zero_pads", "zero_gaps",
 ]  # fmt: skip
 
 
@@ -100,7 +100,7 @@ class RaggedTensor:
     @classmethod
     def from_padded(cls, x: torch.Tensor, lengths: Sequence[int], align: int = 1) -> RaggedTensor:
         """From a batch-first padded tensor `x` (B, L, *features) and host `lengths` (B ints, each <= L)."""
-        return _from_padded(x, lengths, align, seq_axis=1)
+        return ragged_from_padded(x, lengths, align, seq_axis=1)
 
     @classmethod
     def from_mask(cls, x: torch.Tensor, key_padding_mask: torch.Tensor, align: int = 1) -> RaggedTensor:
@@ -110,7 +110,7 @@ class RaggedTensor:
         copy (the lengths and the prefix check travel together)."""
         _check_padded(x, 1)
         lengths = lengths_from_mask(key_padding_mask, key_padding=True, batch=x.shape[0], seq_len=x.shape[1])
-        return _from_padded(x, lengths, align, seq_axis=1)
+        return ragged_from_padded(x, lengths, align, seq_axis=1)
 
     @classmethod
     def from_list(cls, tensors: Sequence[torch.Tensor], align: int = 1) -> RaggedTensor:
@@ -186,7 +186,7 @@ class RaggedTensor:
     # -- out --------------------------------------------------------------------------------
     def to_padded(self, pad_value: float = 0.0, max_len: int | None = None) -> torch.Tensor:
         """(B, max_len, *features); real rows from values, every other element `pad_value`."""
-        return _to_padded(self, pad_value, max_len, seq_axis=1)
+        return padded_from_ragged(self, pad_value, max_len, seq_axis=1)
 
     def to_nested(self) -> torch.Tensor:
         """A jagged-layout nested tensor viewing the same values (holes become NJT lengths)."""
@@ -216,7 +216,7 @@ class RaggedTensor:
 
     def map_values(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RaggedTensor:
         """Apply a row-wise `fn` to values, keeping the layout; gap rows are zeroed again afterwards."""
-        return self.with_values(_zero_gaps(fn(self.values), self.layout))
+        return self.with_values(zero_gaps(fn(self.values), self.layout))
 
     def to(self, *args: Any, **kwargs: Any) -> RaggedTensor:
         return self.with_values(self.values.to(*args, **kwargs))
@@ -249,7 +249,7 @@ class RaggedTensor:
             rhs = other
         else:
             return NotImplemented
-        return self.with_values(_zero_gaps(op(self.values, rhs), self.layout))
+        return self.with_values(zero_gaps(op(self.values, rhs), self.layout))
 
     def __add__(self, o):
         return self._binary(o, operator.add, "+")
@@ -289,7 +289,7 @@ def _short(lengths: tuple[int, ...]) -> str:
     return str(lengths) if len(lengths) <= 8 else f"({', '.join(map(str, lengths[:8]))}, ... {len(lengths)} in all)"
 
 
-def _zero_gaps(values: torch.Tensor, layout: Layout) -> torch.Tensor:
+def zero_gaps(values: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Zero the rows of `values` that belong to no component (one small index_fill; none when packed)."""
     gaps = layout.gap_rows(values.device) if layout.has_gaps and layout.canonical else None
     if gaps is not None:
@@ -307,7 +307,7 @@ def _check_padded(x: object, seq_axis: int) -> None:
         raise TypeError("got a nested tensor; use RaggedTensor.from_nested")
 
 
-def _zero_pads(out: torch.Tensor, mask: torch.Tensor, batch_first: bool) -> torch.Tensor:
+def zero_pads(out: torch.Tensor, mask: torch.Tensor, batch_first: bool) -> torch.Tensor:
     """out (B, L, D), or (L, B, D) when not batch_first, with the positions of `mask` (B, L) set to 0."""
     return out.masked_fill(mask[..., None] if batch_first else mask.t()[..., None], 0.0)
 
@@ -322,11 +322,12 @@ def _batch_major(x: torch.Tensor, seq_axis: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _from_padded(
+def ragged_from_padded(
     x: torch.Tensor, lengths: Sequence[int], align: int, seq_axis: int, rows: int | None = None
 ) -> RaggedTensor:
-    """Pack x by `lengths`. rows: values rows to allocate where more than the layout needs (packed layouts,
-    align 1): the spare rows follow the last component, zeros, in no component (`cublas_rows`)."""
+    """Pack x (padded; sequence axis `seq_axis`: 1 for (B, L, ...), 0 for (L, B, ...)) by host `lengths`.
+    rows: values rows to allocate where more than the layout needs (packed layouts, align 1): the spare rows
+    follow the last component, zeros, in no component (`cublas_rows`)."""
     _check_padded(x, seq_axis)
     align = check_align(align)
     lengths = as_lengths(lengths)
@@ -352,7 +353,9 @@ def _from_padded(
     return RaggedTensor(flat.view(layout.rows, *features), layout)
 
 
-def _to_padded(rt: RaggedTensor, pad_value: float, max_len: int | None, seq_axis: int) -> torch.Tensor:
+def padded_from_ragged(rt: RaggedTensor, pad_value: float, max_len: int | None, seq_axis: int) -> torch.Tensor:
+    """Unpack rt to a padded tensor of `max_len` (None: rt's longest) positions on sequence axis `seq_axis`
+    (1: (B, L, ...), 0: (L, B, ...)); pads are `pad_value`."""
     if not isinstance(pad_value, numbers.Number):
         raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
     L = rt.max_len if max_len is None else operator.index(max_len)
@@ -451,7 +454,7 @@ def strip_padding(
     _check_padded(x, axis)
     B, L = (x.shape[1], x.shape[0]) if axis == 0 else (x.shape[0], x.shape[1])
     lengths = lengths_from_mask(mask, key_padding=key_padding, batch=B, seq_len=L)
-    return _from_padded(x, lengths, align, seq_axis=axis)
+    return ragged_from_padded(x, lengths, align, seq_axis=axis)
 
 
 def restore_padding(r: RaggedTensor, axis: int = 1, pad_value: float = 0.0, max_len: int | None = None) -> torch.Tensor:
@@ -460,7 +463,7 @@ def restore_padding(r: RaggedTensor, axis: int = 1, pad_value: float = 0.0, max_
         raise TypeError(f"restore_padding expects a RaggedTensor, got {type(r).__name__}")
     if axis not in (0, 1):
         raise ValueError(f"axis must be 0 (sequence-first) or 1 (batch-first), got {axis}")
-    return _to_padded(r, pad_value, max_len, seq_axis=axis)
+    return padded_from_ragged(r, pad_value, max_len, seq_axis=axis)
 
 
 # -- padded <-> packed by a key padding mask (any pattern), on the device -------------------------------------

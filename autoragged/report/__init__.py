@@ -54,7 +54,7 @@ from ..tuning_db import (
     TuningDB,
     default_path,
 )  # fmt: skip
-from .render import _metric, _on_cpu, render_html, render_text
+from .render import read_metric, render_html, render_text
 from .results import (
     Calibration,
     DeviceSummary,
@@ -65,7 +65,7 @@ from .results import (
     Summary,
     TimeSaved,
 )  # fmt: skip
-from .rollup import arm_label, rollup
+from .rollup import arm_label, is_padded, rollup
 
 __all__ = [
     "main",
@@ -83,6 +83,7 @@ __all__ = [
     "Share",
     "TimeSaved",
     "Regret",
+    "Records",
 ]
 
 log = logging.getLogger("autoragged")
@@ -97,19 +98,15 @@ SINCE_FORMS = (
 )
 _AGE = re.compile(r"(\d+(?:\.\d*)?)\s*([smhdw])", re.IGNORECASE)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG down
 _PRIOR = "cost model (prior)"  # the reason of a decision the analytic prior predicted (`Planner.predict`)
 
 
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _label(d: Decision | Measurement) -> str:
-    return arm_label(d.arm, d.config)
-
-
-def _is_padded(arm: str) -> bool:
-    return arm == "padded" or arm.startswith("padded_")
+def _on_cpu(device: str) -> bool:
+    """Whether a device key (`DeviceKey.key`) is a CPU's."""
+    return "|cccpu|" in device
 
 
 def parse_since(value: Any, *, now: float | None = None) -> float | None:
@@ -175,7 +172,7 @@ def _resolve_device(db: TuningDB, query: str, since: float | None) -> str:
 
 
 @dataclass
-class _Records:
+class Records:
     """What one report reads from the database (once: the summary and the pictures both use it)."""
 
     path: Path
@@ -197,14 +194,14 @@ def _known_arm(record: Decision | Measurement) -> str | None:
     return None if record.arm in KINDS else "unknown arm kind"
 
 
-def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> _Records:
+def _load(db: TuningDB, device: str | DeviceKey | None, since: Any) -> Records:
     """Read the window. Raises ValueError for a bad `since` or a device filter that matches no / several keys."""
     since_s = parse_since(since)
     key = None
     if device is not None:
         key = device.key if isinstance(device, DeviceKey) else _resolve_device(db, device, since_s)
     skipped = Skipped()  # damaged rows are left out and counted: the report shows everything else
-    return _Records(
+    return Records(
         path=db.path,
         generated=time.time(),
         since=since_s,
@@ -231,7 +228,7 @@ def _open_existing(path: str | os.PathLike[str] | None) -> TuningDB:
     return TuningDB.open(db_path, readonly=True)
 
 
-def _read(db: TuningDB | str | os.PathLike[str] | None, device: Any, since: Any) -> _Records:
+def _read(db: TuningDB | str | os.PathLike[str] | None, device: Any, since: Any) -> Records:
     if isinstance(db, TuningDB):
         return _load(db, device, since)
     with _open_existing(db) as opened:
@@ -315,7 +312,7 @@ def _module(device: str, signature: str, totals: list[DecisionTotals], buckets: 
     for t in totals:
         arms[t.arm] += t.batches
         configs[t.label] += t.batches
-        (fallbacks if t.forced and _is_padded(t.arm) else decided)[t.reason] += t.batches
+        (fallbacks if t.forced and is_padded(t.arm) else decided)[t.reason] += t.batches
     ape_batches = sum(t.ape_batches for t in totals)
     saved = _time_saved(totals)
     saved.relative_only = _on_cpu(device) and any(_PRIOR in reason for reason in decided)
@@ -348,12 +345,12 @@ def _calibration(model: ModelRecord) -> Calibration:
         feature_version=model.feature_version,
         current=model.feature_version == FEATURE_VERSION,
         created=model.created,
-        accuracy=_metric(m, "accuracy"),
-        mean_regret=_metric(m, "mean_regret"),
-        p95_regret=_metric(m, "p95_regret"),
-        mape=_metric(m, "mape"),
-        holdout=_metric(m, "holdout", str),
-        rows=_metric(m, "rows", int),
+        accuracy=read_metric(m, "accuracy"),
+        mean_regret=read_metric(m, "mean_regret"),
+        p95_regret=read_metric(m, "p95_regret"),
+        mape=read_metric(m, "mape"),
+        holdout=read_metric(m, "holdout", str),
+        rows=read_metric(m, "rows", int),
         metrics=m,
         adopted=m.get("adopted") is not False,  # models stored before the tuner judged them were used
     )
@@ -366,14 +363,14 @@ def _calibrated_by(models: list[ModelRecord]) -> ModelRecord | None:
     return max(current or models, key=lambda m: (m.created, m.id)) if models else None
 
 
-def _device_order(rec: _Records) -> list[str]:
+def _device_order(rec: Records) -> list[str]:
     present = {d.device for d in rec.decisions} | {m.device for m in rec.measurements} | {m.device for m in rec.models}
     present |= {t.device for t in rec.totals}
     registered = [d.key for d in rec.registered if d.key in present]
     return registered + sorted(present - set(registered))
 
 
-def _by_module(rec: _Records) -> dict[str, dict[str, tuple[list, list, int]]]:
+def _by_module(rec: Records) -> dict[str, dict[str, tuple[list, list, int]]]:
     """device -> signature -> (totals, bucket totals, batches known from stored totals only): the rows read,
     added up as the database adds up the rows it prunes, beside what it already added up."""
     out: dict[str, dict[str, tuple[list, list, int]]] = defaultdict(dict)
@@ -392,7 +389,7 @@ def _by_module(rec: _Records) -> dict[str, dict[str, tuple[list, list, int]]]:
     return out
 
 
-def _summarize(rec: _Records) -> Summary:
+def _summarize(rec: Records) -> Summary:
     names = {d.key: d.name for d in rec.registered}
     decisions = _by_module(rec)
     sources: dict[str, Counter[str]] = defaultdict(Counter)
@@ -449,20 +446,7 @@ def summary(
     return _summarize(_read(db, device, since))
 
 
-def _require_matplotlib():
-    """matplotlib's Figure and Agg canvas (no pyplot: the caller's backend and figures stay untouched)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError(
-            f"the HTML report draws its pictures with matplotlib, which cannot be imported ({e}); "
-            "pip install matplotlib (or pip install 'autoragged[plot]'); the terminal report needs nothing more"
-        ) from e
-    return Figure, FigureCanvasAgg
-
-
-def _write_html(rec: _Records, s: Summary, path: str | os.PathLike[str]) -> Path:
+def _write_html(rec: Records, s: Summary, path: str | os.PathLike[str]) -> Path:
     from .plots import images  # matplotlib, imported when a page is drawn
 
     out = Path(path).expanduser()
@@ -480,7 +464,9 @@ def write_html(
 ) -> Summary:
     """Write the report as one self-contained HTML file (tables and base64 PNGs) and return its Summary.
     Needs matplotlib (ImportError naming `pip install matplotlib` otherwise); arguments as in `summary`."""
-    _require_matplotlib()
+    from .plots import require_matplotlib
+
+    require_matplotlib()
     rec = _read(db, device, since)
     s = _summarize(rec)
     _write_html(rec, s, path)
@@ -513,13 +499,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 report printed (or nothing recorded yet), 1 no database file / HTML not writable,
     2 usage error, unreadable database, or matplotlib missing for --html."""
-    from ..tune import _setup_logging  # the same handler as the tuner's (replaced, not stacked)
+    from ..tune import setup_logging  # the same handler as the tuner's (replaced, not stacked)
 
     args = _parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
     if args.html:
+        from .plots import require_matplotlib
+
         try:
-            _require_matplotlib()
+            require_matplotlib()
         except ImportError as e:
             log.error("--html: %s", e)
             return 2

@@ -16,15 +16,28 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..tuning_db import KEEP_ENV_VAR, Decision
-from . import _MAX_MAP_POINTS, Summary, _is_padded, _label, _Records, _require_matplotlib
-from .rollup import forced as _forced
-from .rollup import predicted_of
+from . import Records, Summary
+from .rollup import forced, is_padded, label_of, predicted_of
 
-__all__ = ["images"]
+__all__ = ["images", "require_matplotlib"]
 
+_MAX_MAP_POINTS = 20_000  # decision-map scatter: more points only slow the PNG down
 
 _KIND_COLOURS = {"padded": "tab:blue", "ragged": "tab:orange", "padded_graph": "tab:cyan", "ragged_graph": "tab:red"}
 _CONFIG_COLOURS = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+
+
+def require_matplotlib():
+    """matplotlib's Figure and Agg canvas (no pyplot: the caller's backend and figures stay untouched)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            f"the HTML report draws its pictures with matplotlib, which cannot be imported ({e}); "
+            "pip install matplotlib (or pip install 'autoragged[plot]'); the terminal report needs nothing more"
+        ) from e
+    return Figure, FigureCanvasAgg
 
 
 def _png(fig, canvas_cls) -> bytes:
@@ -80,7 +93,7 @@ def _decision_map(Figure, decisions: list[Decision]):
     step = max(1, len(points) // _MAX_MAP_POINTS)
     groups: dict[str, list[Decision]] = defaultdict(list)
     for d in points[::step]:
-        groups["padded (forced)" if _forced(d) and _is_padded(d.arm) else _label(d)].append(d)
+        groups["padded (forced)" if forced(d) and is_padded(d.arm) else label_of(d)].append(d)
     colours = {"padded": "tab:blue", "padded (forced)": "tab:gray", "padded_graph": "tab:cyan"}
     others = sorted(g for g in groups if g not in colours)
     colours.update({g: _CONFIG_COLOURS[i % len(_CONFIG_COLOURS)] for i, g in enumerate(others)})
@@ -107,9 +120,9 @@ def _significant(x: float, digits: int = 4) -> float:
 
 def _predicted_vs_measured(Figure, decisions: list[Decision]):
     pairs = [
-        (predicted_of(d, _label(d)), d.measured_ms, d.arm)
+        (predicted_of(d, label_of(d)), d.measured_ms, d.arm)
         for d in decisions
-        if d.measured_ms is not None and d.measured_ms > 0 and (predicted_of(d, _label(d)) or 0) > 0
+        if d.measured_ms is not None and d.measured_ms > 0 and (predicted_of(d, label_of(d)) or 0) > 0
     ]
     if not pairs:
         timed = sum(d.measured_ms is not None for d in decisions)
@@ -137,7 +150,7 @@ def _predicted_vs_measured(Figure, decisions: list[Decision]):
     return fig
 
 
-def _latency_points(rec: _Records, device: str) -> dict[str, list[tuple[int, float, str, str]]]:
+def _latency_points(rec: Records, device: str) -> dict[str, list[tuple[int, float, str, str]]]:
     """signature -> (batch, ms, arm kind, source): sampled decisions and tune measurements (runtime
     measurements are the sampled decisions again, so they are left out)."""
     out: dict[str, list[tuple[int, float, str, str]]] = defaultdict(list)
@@ -191,9 +204,9 @@ def _latency_by_batch(Figure, points: dict[str, list[tuple[int, float, str, str]
     return fig
 
 
-def images(rec: _Records, s: Summary) -> dict[str, bytes | str]:
+def images(rec: Records, s: Summary) -> dict[str, bytes | str]:
     """The report's pictures, keyed like its figure blocks: a PNG, or where there is nothing to draw, why."""
-    Figure, canvas = _require_matplotlib()
+    Figure, canvas = require_matplotlib()
     by_module: dict[tuple[str, str], list[Decision]] = defaultdict(list)
     for d in rec.decisions:
         by_module[(d.device, d.signature)].append(d)

@@ -16,15 +16,10 @@ from ..tuning_db import KEEP_ENV_VAR
 if TYPE_CHECKING:
     from .results import DeviceSummary, ModuleSummary, Summary, TimeSaved
 
-__all__ = ["render_text", "render_html"]
+__all__ = ["render_text", "render_html", "read_metric"]
 
 
-def _on_cpu(device: str) -> bool:
-    """Whether a device key (`DeviceKey.key`) is a CPU's."""
-    return "|cccpu|" in device
-
-
-def _metric(metrics: dict[str, Any], name: str, kind: type = float) -> Any:
+def read_metric(metrics: dict[str, Any], name: str, kind: type = float) -> Any:
     """metrics[name] when it is a finite number (kind float), an int (kind int) or a str (kind str), else None:
     the metrics of a model written by another version, or by hand, may hold anything."""
     value = metrics.get(name)
@@ -98,8 +93,8 @@ def _calibration_blocks(dev: DeviceSummary) -> list[tuple]:
                                 ("prior_mean_regret", "analytic prior's mean regret (held out)", 2),
                                 ("reference_accuracy", "always the reference arm: accuracy", 1),
                                 ("reference_mean_regret", "always the reference arm: mean regret", 2)):  # fmt: skip
-        if _metric(c.metrics, name) is not None:
-            rows.append((label, _pct(_metric(c.metrics, name), digits)))
+        if read_metric(c.metrics, name) is not None:
+            rows.append((label, _pct(read_metric(c.metrics, name), digits)))
     return [("table", ["calibration", "value"], rows)]
 
 

@@ -26,9 +26,12 @@ from typing import Any
 
 from ..kernels._config import KernelConfig
 from ..planning.planner import bucket_key
-from ..tuning_db import BucketTotals, Decision, DecisionTotals, config_key
+from ..tuning_db import BucketTotals, Decision, DecisionTotals, Measurement, config_key
 
-__all__ = ["rollup", "arm_label", "reason_class", "forced", "exploring", "predicted_of", "PERIOD_S", "BUCKET_PERIOD_S"]
+__all__ = [
+    "rollup", "arm_label", "label_of", "is_padded", "reason_class", "forced", "exploring", "predicted_of", "PERIOD_S",
+    "BUCKET_PERIOD_S",
+]  # fmt: skip
 
 PERIOD_S = 3600.0  # decision_totals: an hour (how finely `report --since` splits decisions no longer kept)
 BUCKET_PERIOD_S = 86400.0  # decision_buckets: a day (timed batches are 1 in `sample_every`; buckets are many)
@@ -47,6 +50,16 @@ def arm_label(arm: str, config: dict[str, Any] | None) -> str:
         return _cached_label(arm, items)
     except TypeError:  # unhashable values
         return _config_label(arm, config)
+
+
+def label_of(record: Decision | Measurement) -> str:
+    """The arm label of a decision's or measurement's arm and config (`arm_label`)."""
+    return arm_label(record.arm, record.config)
+
+
+def is_padded(arm: str) -> bool:
+    """Whether an arm kind is a padded one ("padded", "padded_graph")."""
+    return arm == "padded" or arm.startswith("padded_")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -37,7 +37,14 @@ from ..planning.costmodel import PADDED, AnalyticPrior, Arm
 from ..planning.device import device_key
 from ..planning.planner import Planner, default_ragged_config, graph_config
 from ..ragged.layout import HostLengths, as_lengths
-from ..ragged.tensor import RaggedTensor, _from_padded, _to_padded, mask_lengths, pack_by_mask, unpack_by_mask
+from ..ragged.tensor import (
+    RaggedTensor,
+    mask_lengths,
+    pack_by_mask,
+    padded_from_ragged,
+    ragged_from_padded,
+    unpack_by_mask,
+)
 from ..tuning_db import BatchStats, Measurement
 from . import policy
 from .epoch import param_epoch
@@ -355,8 +362,8 @@ class Runtime:
         body, p = self.body, self._param()
         config = graph_config(body.head_dim, gkey.width).replace(align=gkey.align)
 
-        def make(pool, stream):
-            return RaggedGraph(body, module, gkey, config, p.dtype, p.device, pool, stream, tile_rows)
+        def make(pool, stream):  # the pool is the capture's (`RaggedGraph.record`), not the warm-up's
+            return RaggedGraph(body, module, gkey, config, p.dtype, p.device, stream, tile_rows)
 
         return make, _graph_bytes(self.sig, gkey, p.element_size())
 
@@ -428,8 +435,8 @@ class Runtime:
             rt = pack_by_mask(x, call.kpm, lens, seq_axis, body.first_column)
             unpack = lambda v: unpack_by_mask(v, rt, call.kpm, seq_axis)  # noqa: E731
         else:
-            rt = _from_padded(x, lens, config.align, seq_axis, _eager_rows(config, x, call.causal, stats.total))
-            unpack = lambda v: _to_padded(RaggedTensor(v, rt.layout), 0.0, call.L, seq_axis)  # noqa: E731
+            rt = ragged_from_padded(x, lens, config.align, seq_axis, _eager_rows(config, x, call.causal, stats.total))
+            unpack = lambda v: padded_from_ragged(RaggedTensor(v, rt.layout), 0.0, call.L, seq_axis)  # noqa: E731
         values = body.values(rt.values, rt.layout, config, call.causal, hidden)
         if hidden is not None:
             hidden = [unpack(h) for h in hidden]
