@@ -10,6 +10,9 @@ Shape contracts
     out:           (T, N); sum_out: (T, N) when store_sum
     live:          optional (1,) int32/int64 on the device: only rows < live[0] are needed; a fixed grid walks
                    their row blocks and leaves the rest unspecified (as kernels/ragged_linear.py)
+
+Training: `add_layer_norm_train` (an autograd.Function over the launcher and `add_layer_norm_backward`) takes
+no `live`; its gradients are each of their input's shape and dtype.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ from ._config import KernelConfig, _identity, next_pow2
 from ._triton import tl, triton
 from .ragged_linear import check_live, persistent_programs
 
-__all__ = ["add_layer_norm", "add_layer_norm_ref", "CONFIGS", "default_config", "prune"]
+__all__ = [
+    "add_layer_norm",
+    "add_layer_norm_ref",
+    "add_layer_norm_backward",
+    "add_layer_norm_train",
+    "AddLayerNormFunction",
+    "CONFIGS",
+    "default_config",
+    "prune",
+]
 
 
 @triton.jit
@@ -177,3 +189,130 @@ def add_layer_norm_op(
 @add_layer_norm_op.register_fake
 def _(x, residual, weight, bias, eps, store_sum, block_m, num_warps):
     return x.new_empty(x.shape), x.new_empty(x.shape if store_sum else (0,))
+
+
+# -- training: the backward kernel, its launcher and the autograd.Function ------------------------------------------
+# M (rows) changes with every batch: not specialised
+@triton.jit(do_not_specialize=["M"])
+def _add_layer_norm_bwd_kernel(
+    X, R, Wt, DY, DS, DX, DR, DW, DB, M, N, eps,
+    stride_x, stride_r, stride_dy, stride_ds, stride_dx, stride_dr,
+    HAS_RES: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program p walks row blocks p, p + programs, ...: dx = dr = rstd * (w dy - mean(w dy) - xhat mean(w dy xhat))
+    (+ the sum output's gradient), and row p of DW and DB gets the sums of dy xhat and dy over its rows."""
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(Wt + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & cmask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        # the statistics exactly as the forward computes them (fp32 sum, two-pass variance)
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        centered = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt((tl.sum(centered * centered, axis=1) / N + eps).to(tl.float32))
+        xhat = centered * rstd[:, None]
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        wdy = dy * w if HAS_W else dy
+        c_xhat = tl.sum(wdy * xhat, axis=1) / N
+        c_mean = tl.sum(wdy, axis=1) / N
+        ds = (wdy - xhat * c_xhat[:, None] - c_mean[:, None]) * rstd[:, None]
+        if HAS_DS:  # the sum output's own gradient
+            ds += tl.load(DS + rows64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64 * stride_dx + cols[None, :], ds.to(DX.dtype.element_ty), mask=mask)
+        if HAS_RES:
+            tl.store(DR + rows64 * stride_dr + cols[None, :], ds.to(DR.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+        if HAS_B:
+            db += dy
+    if HAS_W:
+        tl.store(DW + tl.program_id(0) * N + cols, tl.sum(dw, axis=0), mask=cmask)
+    if HAS_B:
+        tl.store(DB + tl.program_id(0) * N + cols, tl.sum(db, axis=0), mask=cmask)
+
+
+def add_layer_norm_backward(
+    dy: torch.Tensor | None,
+    dsum: torch.Tensor | None,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients (dx, dresidual, dweight, dbias) of `add_layer_norm` from dy (the gradient of out) and dsum (that
+    of the sum output; None when it has none), each of its input's shape and dtype, None for a None input.
+
+    Mean and rstd are recomputed, not saved: a whole row is one tile, so they are two in-register reductions over
+    x and residual, which the backward loads anyway; saving them would cost a forward variant and 8 bytes a row.
+    """
+    dy = torch.zeros_like(x) if dy is None else dy
+    dy, x = (t if t.stride(1) == 1 else t.contiguous() for t in (dy, x))
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if dsum is not None and dsum.stride(1) != 1:
+        dsum = dsum.contiguous()
+    M, N = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dr = None if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
+    # two programs per SM (one row each of the partials): the partial sums are (programs, N), summed below
+    programs = max(1, min(triton.cdiv(M, default_config(N).block_m), persistent_programs(x.device)))
+    dw = None if weight is None else torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    db = None if bias is None else torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    if M and N:
+        config = default_config(N)
+        _add_layer_norm_bwd_kernel[(programs,)](
+            x, residual if residual is not None else x, weight if weight is not None else x, dy,
+            dsum if dsum is not None else dy, dx, dr if dr is not None else dx,
+            dw if dw is not None else dx, db if db is not None else dx, M, N, float(eps),
+            x.stride(0), residual.stride(0) if residual is not None else 0, dy.stride(0),
+            dsum.stride(0) if dsum is not None else 0, dx.stride(0), dr.stride(0) if dr is not None else 0,
+            HAS_RES=residual is not None, HAS_DS=dsum is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+            BLOCK_M=config.block_m, BLOCK_N=next_pow2(N), num_warps=config.num_warps,
+        )  # fmt: skip
+    dw = None if dw is None else dw.sum(0).to(weight.dtype)
+    db = None if db is None else db.sum(0).to(bias.dtype)
+    return dx, dr, dw, db
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    """`add_layer_norm` with a backward: saves its inputs (no new memory) and recomputes the statistics."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, store_sum, config):
+        out, total = add_layer_norm(x, residual, weight, bias, eps, store_sum=store_sum, config=config)
+        ctx.save_for_backward(x, residual, weight, bias)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)  # an unused sum output brings no gradient to read
+        return out, total
+
+    @staticmethod
+    def backward(ctx, dy, dsum):
+        x, residual, weight, bias = ctx.saved_tensors
+        dx, dr, dw, db = add_layer_norm_backward(dy, dsum, x, residual, weight, bias, ctx.eps)
+        return dx, dr, dw, db, None, None, None
+
+
+def add_layer_norm_train(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    store_sum: bool = False,
+    *,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`add_layer_norm` (every row; `config` is the forward's) differentiable in x, residual, weight and bias;
+    with store_sum, the sum's gradient joins the normalisation's."""
+    check_inputs(x, residual, weight, bias)
+    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, store_sum, config)

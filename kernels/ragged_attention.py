@@ -42,6 +42,7 @@ import functools
 import math
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -63,6 +64,8 @@ __all__ = [
     "check_window",
     "window_mask",
     "window_from_hf",
+    "Dropout",
+    "keep_mask",
 ]
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -71,15 +74,31 @@ _LOG2E = 1.4426950408889634
 _FAR = 1 << 30  # an unbounded window side inside the kernel: farther than any component is long
 
 
+class Dropout(NamedTuple):
+    """Attention dropout of one launch: drop probability p in [0, 1), the Philox seed of its masks."""
+
+    p: float
+    seed: int
+
+
+@triton.jit
+def keep_mask(seed, p, rows, cols):
+    """Attention dropout's keep mask of a tile: row `rows` (local to the component) keeps key `cols` unless its
+    uniform draw falls below p. One Philox stream per (component, head) in `seed`, counter (row, col): the forward
+    and both backward kernels draw the same mask from any tiling."""
+    return tl.rand(seed, (rows.to(tl.int64)[:, None] << 32) | cols.to(tl.int64)[None, :]) >= p
+
+
 @triton.jit
 def _attn_tile(
     acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-    offs_m, offs_n, offs_d, d_mask, n_lo, n_hi, length, left, right,
+    offs_m, offs_n, offs_d, d_mask, n_lo, n_hi, length, left, right, drop_seed, drop_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """Fold key tiles [n_lo, n_hi) into the running (acc, l_i, m_i). MASKED: mask keys >= length and, when
-    WINDOW, keys outside [row - left, row + right] (else, when CAUSAL, keys after the query row)."""
+    WINDOW, keys outside [row - left, row + right] (else, when CAUSAL, keys after the query row). DROPOUT: the
+    probabilities that reach acc are dropped (`keep_mask`); l_i sums them all."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
         if MASKED:
@@ -111,6 +130,8 @@ def _attn_tile(
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DROPOUT:
+            p = tl.where(keep_mask(drop_seed, drop_p, offs_m, cols), p, 0.0)
         if UPCAST:
             acc = tl.dot(
                 p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION
@@ -123,12 +144,13 @@ def _attn_tile(
 
 @triton.jit
 def _ragged_attn_fwd_kernel(
-    Q, K, V, Out, offsets, lengths, grid_mapping, block_offsets, key_lengths,
+    Q, K, V, Out, offsets, lengths, grid_mapping, block_offsets, key_lengths, Lse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    qk_scale, left, right,
+    qk_scale, left, right, drop_seed, drop_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr, KEYS: tl.constexpr,
+    GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr, KEYS: tl.constexpr, STORE_LSE: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -154,6 +176,7 @@ def _ragged_attn_fwd_kernel(
             other=0.0,
         )
         kv_head = head // GQA_GROUP  # GQA_GROUP 1 (no grouping) folds away
+        seed = drop_seed + comp * tl.num_programs(1) + head  # (DROPOUT off: unused)
         k_base = K + start * stride_kt + kv_head * stride_kh
         v_base = V + start * stride_vt + kv_head * stride_vh
 
@@ -172,8 +195,8 @@ def _ragged_attn_fwd_kernel(
             n_full = tl.maximum(n_full_lo, tl.minimum(r0 + right + 1, length) // BLOCK_N * BLOCK_N)
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-                offs_m, offs_n, offs_d, d_mask, n_lo, n_full_lo, length, left, right,
-                True, CAUSAL, True, BLOCK_N, PRECISION, UPCAST,
+                offs_m, offs_n, offs_d, d_mask, n_lo, n_full_lo, length, left, right, seed, drop_p,
+                True, CAUSAL, True, BLOCK_N, PRECISION, UPCAST, DROPOUT,
             )  # fmt: skip
         else:
             n_full_lo = 0
@@ -186,17 +209,22 @@ def _ragged_attn_fwd_kernel(
                 n_end = keys
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-            offs_m, offs_n, offs_d, d_mask, n_full_lo, n_full, keys, left, right,
-            False, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST,
+            offs_m, offs_n, offs_d, d_mask, n_full_lo, n_full, keys, left, right, seed, drop_p,
+            False, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST, DROPOUT,
         )  # fmt: skip
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, qk_scale,
-            offs_m, offs_n, offs_d, d_mask, n_full, n_end, keys, left, right,
-            True, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST,
+            offs_m, offs_n, offs_d, d_mask, n_full, n_end, keys, left, right, seed, drop_p,
+            True, CAUSAL, WINDOW, BLOCK_N, PRECISION, UPCAST, DROPOUT,
         )  # fmt: skip
         if WINDOW:  # rows past the length may have seen no key at all (l_i = 0); real rows see their own key
             l_i = tl.where(row_mask, l_i, 1.0)
+        if DROPOUT:  # kept probabilities scaled by 1 / (1 - p)
+            l_i = l_i * (1.0 - drop_p)
         out = tl.where(row_mask[:, None], acc / l_i[:, None], 0.0)
+        if STORE_LSE:  # training: each real row's log2-sum-exp2 of its scaled scores, (T, H) fp32
+            lse = m_i + tl.math.log2(l_i / (1.0 - drop_p) if DROPOUT else l_i)  # of all the probabilities
+            tl.store(Lse + (start + offs_m) * tl.num_programs(1) + head, lse, mask=row_mask)
         # rows in [length, extent) of this block are the component's alignment gap: written as zeros
         tl.store(
             Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -364,6 +392,8 @@ def ragged_attention(
     wrap=None,
     window: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
     key_lengths: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    dropout: Dropout | None = None,
 ) -> torch.Tensor:
     """Launch the kernel; `grid_mapping` / `block_offsets` must be the prelude for `config.block_m`.
 
@@ -371,7 +401,9 @@ def ragged_attention(
     `window` (left, right): row i of a component sees keys j with i - left <= j <= i + right, -1 unbounded;
     with `causal` also j <= i. `key_lengths` (B,) int32: each component's keys, its first rows (the rest
     are queries only; neither causal nor windowed). Returns `out` (T, H, Dh) (see the shape contract for
-    gap rows). `wrap` is `torch.library.wrap_triton` when the registered op calls this (torch.compile)."""
+    gap rows). `lse` (T, H) fp32, when given, gets each real row's log2-sum-exp2 (what the backward needs).
+    `dropout`: drop each probability with `dropout.p` (the rest scaled by 1 / (1 - p)), the mask `keep_mask`'s.
+    `wrap` is `torch.library.wrap_triton` when the registered op calls this (torch.compile)."""
     check_inputs(q, k, v)
     T, H, Dh = q.shape
     if out is None:
@@ -380,6 +412,8 @@ def ragged_attention(
     kernel_window = _kernel_window(window, causal)
     if key_lengths is not None and (causal or kernel_window is not None):
         raise ValueError("key_lengths (query-only rows) needs attention that is neither causal nor windowed")
+    if dropout is not None and not 0.0 <= dropout.p < 1.0:
+        raise ValueError(f"attention dropout p must be in [0, 1), got {dropout.p!r}")
     if programs == 0 or H == 0:
         return out
     left, right = kernel_window or (0, 0)
@@ -387,12 +421,13 @@ def ragged_attention(
     precision = "ieee" if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
     args = (
         q, k, v, out, offsets, lengths, grid_mapping, block_offsets, lengths if key_lengths is None else key_lengths,
+        out if lse is None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale * _LOG2E, left, right,
+        scale * _LOG2E, left, right, dropout.seed if dropout else 0, dropout.p if dropout else 0.0,
     )  # fmt: skip
     flags = dict(HEAD_DIM=Dh, BLOCK_D=next_pow2(Dh), CAUSAL=bool(causal), PRECISION=precision,
                  UPCAST=dot_upcast(str(q.dtype)[6:]), GQA_GROUP=H // k.shape[1], WINDOW=kernel_window is not None,
-                 KEYS=key_lengths is not None)  # fmt: skip
+                 KEYS=key_lengths is not None, STORE_LSE=lse is not None, DROPOUT=dropout is not None)  # fmt: skip
     if wrap is None:
         compile_sibling_tiles(args, flags, config)
     (wrap or _identity)(_ragged_attn_fwd_kernel)[(programs, H)](
@@ -488,6 +523,8 @@ def ragged_attention_ref(
     upcast: bool = True,
     window: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
     key_lengths: Sequence[int] | None = None,
+    dropout: float = 0.0,
+    keep: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """PyTorch reference with host offsets/lengths: softmax(q k^T * scale) v per component and head, keys
     limited by `window_mask(n, window, causal)`; k and v may have fewer heads (GQA, as the kernel).
@@ -495,7 +532,8 @@ def ragged_attention_ref(
     upcast=True computes in float32 (float64 stays float64) and returns the input dtype; upcast=False
     computes in the input dtype throughout (PyTorch's same-dtype error, the yardstick of the tests).
     Rows outside components are zero. `key_lengths`: each component's keys, its first rows (the rest are
-    queries only), as the kernel's.
+    queries only), as the kernel's. `dropout` drops probabilities with PyTorch's own generator, or where `keep`
+    (per component, (H, n, keys) bool: the kernel's `keep_mask`) is False; the rest scaled by 1 / (1 - p).
     """
     T, H, Dh = q.shape
     group = H // k.shape[1] if k.shape[1] else 1
@@ -507,17 +545,21 @@ def ragged_attention_ref(
     if key_lengths is not None and (causal or _kernel_window(window, causal) is not None):
         raise ValueError("key_lengths (query-only rows) needs attention that is neither causal nor windowed")
     keys_of = [int(n) for n in (lengths if key_lengths is None else key_lengths)]
-    for start, n, nk in zip(offsets, lengths, keys_of):
+    for i, (start, n, nk) in enumerate(zip(offsets, lengths, keys_of)):
         start, n = int(start), int(n)
         if n == 0 or nk == 0:
             continue
         qi = q[start : start + n].transpose(0, 1).to(compute)  # (H, n, Dh)
         ki, vi = (t[start : start + nk].repeat_interleave(group, 1).transpose(0, 1).to(compute) for t in (k, v))
         scores = (qi @ ki.transpose(1, 2)) * scale
-        keep = window_mask(n, window, causal, q.device)
-        if not keep.all():
-            scores = scores.masked_fill(~keep, float("-inf"))
+        visible = window_mask(n, window, causal, q.device)[:, :nk]
+        if not visible.all():
+            scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if dropout and keep is not None:
+            probs = probs * keep[i].to(probs.device) / (1.0 - dropout)
+        elif dropout:
+            probs = torch.nn.functional.dropout(probs, dropout)
         out[start : start + n] = (probs @ vi).transpose(0, 1).to(q.dtype)
     return out
 

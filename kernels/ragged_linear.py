@@ -247,14 +247,17 @@ def fit_shared_memory(config: KernelConfig, element_size: int, limit: int = 227 
 
 
 # -- launcher -----------------------------------------------------------------------------------
-def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
+def check_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, same_dtype: bool = True
+) -> None:
+    """A clear error for inputs the linear cannot take; `same_dtype` False (autocast casts them): shapes only."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x (T, K) and weight (N, K) disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be (N,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+    if same_dtype and (x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)):
         raise TypeError(
             f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, {getattr(bias, 'dtype', None)}"
         )

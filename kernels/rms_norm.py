@@ -15,6 +15,10 @@ Shape contracts
     x, residual:   (T, N), stride 1 on N (residual may be None: y = RMSNorm(x))
     weight:        (N,) in x's dtype
     out:           (T, N); sum_out: (T, N) when store_sum (with a residual)
+
+Training: `add_rms_norm_train` (an autograd.Function over the launcher and `add_rms_norm_backward`) computes
+the gradients in fp32 and rounds each once; the forward's roundings pass gradients straight through, as
+PyTorch's autograd passes them through HF's casts.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ import torch
 
 from ._config import KernelConfig, next_pow2
 from ._triton import tl, triton
+from .ragged_linear import persistent_programs
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "default_config"]
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "add_rms_norm_backward",
+    "add_rms_norm_train",
+    "AddRMSNormFunction",
+    "default_config",
+]
 
 
 # M (rows) changes with every batch: not specialised (one compiled kernel for every row count)
@@ -109,3 +121,105 @@ def add_rms_norm_ref(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(total.dtype)
     return out, (total if store_sum and residual is not None else None)
+
+
+# -- training: the backward kernel, its launcher and the autograd.Function ------------------------------------------
+# M (rows) changes with every batch: not specialised
+@triton.jit(do_not_specialize=["M"])
+def _add_rms_norm_bwd_kernel(
+    X, R, Wt, DY, DS, DX, DR, DW, M, N, eps, stride_x, stride_r, stride_dy, stride_ds, stride_dx, stride_dr,
+    HAS_RES: tl.constexpr, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program p walks row blocks p, p + programs, ...: dx = dr = rstd * (w dy - xhat mean(w dy xhat)) (+ the sum
+    output's gradient), and row p of DW gets the sum of dy xhat over its rows."""
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(Wt + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & cmask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:  # the sum rounded as the forward rounds it: its statistics are the forward's
+            x += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = x.to(DX.dtype.element_ty).to(tl.float32)
+        rstd = tl.math.rsqrt((tl.sum(x * x, axis=1) / N + eps).to(tl.float32))
+        # xhat unrounded: the forward's cast of it before the weight passes gradients straight through
+        xhat = x * rstd[:, None]
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        wdy = dy * w
+        ds = (wdy - xhat * (tl.sum(wdy * xhat, axis=1) / N)[:, None]) * rstd[:, None]
+        if HAS_DS:  # the sum output's own gradient
+            ds += tl.load(DS + rows64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64 * stride_dx + cols[None, :], ds.to(DX.dtype.element_ty), mask=mask)
+        if HAS_RES:
+            tl.store(DR + rows64 * stride_dr + cols[None, :], ds.to(DR.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    tl.store(DW + tl.program_id(0) * N + cols, tl.sum(dw, axis=0), mask=cmask)
+
+
+def add_rms_norm_backward(
+    dy: torch.Tensor | None,
+    dsum: torch.Tensor | None,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Gradients (dx, dresidual, dweight) of `add_rms_norm` from dy (the gradient of out) and dsum (that of the
+    sum output; None when it has none), each of its input's shape and dtype (dresidual None without a residual).
+
+    rstd is recomputed, not saved: a whole row is one tile, so it is one in-register reduction over x and the
+    residual, which the backward loads anyway; saving it would cost a forward variant and 4 bytes a row.
+    """
+    dy = torch.zeros_like(x) if dy is None else dy
+    dy, x = (t if t.stride(1) == 1 else t.contiguous() for t in (dy, x))
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if dsum is not None and dsum.stride(1) != 1:
+        dsum = dsum.contiguous()
+    M, N = x.shape
+    config = default_config(N)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dr = None if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
+    # two programs per SM (one row each of the partials): the partial sums are (programs, N), summed below
+    programs = max(1, min(triton.cdiv(M, config.block_m), persistent_programs(x.device)))
+    dw = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    if M and N:
+        _add_rms_norm_bwd_kernel[(programs,)](
+            x, residual if residual is not None else x, weight, dy, dsum if dsum is not None else dy, dx,
+            dr if dr is not None else dx, dw, M, N, float(eps), x.stride(0),
+            residual.stride(0) if residual is not None else 0, dy.stride(0), dsum.stride(0) if dsum is not None else 0,
+            dx.stride(0), dr.stride(0) if dr is not None else 0,
+            HAS_RES=residual is not None, HAS_DS=dsum is not None, BLOCK_M=config.block_m, BLOCK_N=next_pow2(N),
+            num_warps=config.num_warps,
+        )  # fmt: skip
+    return dx, dr, dw.sum(0).to(weight.dtype)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """`add_rms_norm` with a backward: saves its inputs (no new memory) and recomputes rstd."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, store_sum):
+        out, total = add_rms_norm(x, residual, weight, eps, store_sum=store_sum)
+        ctx.save_for_backward(x, residual, weight)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)  # an unused sum output brings no gradient to read
+        return out, total
+
+    @staticmethod
+    def backward(ctx, dy, dsum):
+        x, residual, weight = ctx.saved_tensors
+        dx, dr, dw = add_rms_norm_backward(dy, dsum, x, residual, weight, ctx.eps)
+        return dx, dr, dw, None, None
+
+
+def add_rms_norm_train(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, store_sum: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`add_rms_norm` differentiable in x, residual and weight; with store_sum (and a residual), the sum's
+    gradient joins the normalisation's."""
+    check_inputs(x, residual, weight)
+    return AddRMSNormFunction.apply(x, residual, weight, eps, store_sum)
