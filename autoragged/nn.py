@@ -18,7 +18,7 @@ from torch import nn
 
 from .kernels._config import KernelConfig
 from .kernels.ragged_attention import HEAD_DIMS
-from .models.encoder import EncoderLayerSpec, encoder_values, linear_config
+from .models.encoder import Dropouts, EncoderLayerSpec, encoder_values, linear_config
 from .ops import attention_values, linear_values
 from .ragged.layout import Layout
 from .ragged.tensor import RaggedTensor, zero_gaps
@@ -108,6 +108,9 @@ def layer_spec(layer: nn.TransformerEncoderLayer) -> EncoderLayerSpec:
         ff2=(layer.linear2.weight, layer.linear2.bias),
         norm2=_norm_args(layer.norm2),
         norm_first=bool(layer.norm_first),
+        dropout=Dropouts(
+            probs=mha.dropout, attn_out=layer.dropout1.p, ff_inner=layer.dropout.p, ff_out=layer.dropout2.p
+        ),
     )
 
 

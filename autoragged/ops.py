@@ -12,13 +12,16 @@ are the same ops on raw values (no gap zeroing); the ragged `nn` modules chain t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import gated_act as k_act
 from .kernels import ragged_add_layer_norm as k_ln
 from .kernels import ragged_attention as k_attn
+from .kernels import ragged_attention_backward as k_attn_bwd
 from .kernels import ragged_bmm as k_bmm
 from .kernels import ragged_linear as k_lin
 from .kernels import rms_norm as k_rms
@@ -49,6 +52,11 @@ def _compiling(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.compiler.is_compiling()
 
 
+def _recording(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd records an op on these inputs: it then takes the kernels' autograd Functions."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # -- value-level ops ------------------------------------------------------------------------------
 def attention_values(
     q: torch.Tensor,
@@ -60,25 +68,35 @@ def attention_values(
     scale: float | None = None,
     config: KernelConfig | None = None,
     window: tuple[int, int] = (-1, -1),
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """q (rows, H, Dh), k and v (rows, Hkv, Dh) values of `layout`, Hkv dividing H; returns (rows, H, Dh),
     gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`. A layout with
     `key_lengths` (a first-token pooler's column 0 as a query row: `Layout.with_query_rows`, or a CUDA graph fed
-    a mask) has query-only rows past them."""
+    a mask) has query-only rows past them. `dropout`: drop probability of the attention probabilities (training;
+    the mask's seed comes from PyTorch's CPU generator, so `torch.manual_seed` repeats it)."""
     k_attn.check_inputs(q, k, v)
     left, right = k_attn.check_window(window)
     key_lengths = getattr(layout, "key_lengths", None)
+    drop = k_attn.Dropout(float(dropout), int(torch.randint(0, 2**31 - 1, ()))) if dropout else None
     if not use_triton(q):
         keys = None if key_lengths is None else key_lengths.tolist()
         return k_attn.ragged_attention_ref(
-            q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale, window=(left, right), key_lengths=keys
-        )
+            q, k, v, layout.offsets, layout.lengths, causal=causal, scale=scale, window=(left, right), key_lengths=keys,
+            dropout=float(dropout),
+        )  # fmt: skip
     config = config or k_attn.default_config(q.shape[-1], layout.max_len, q.element_size())
     if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
         config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
+    if _recording(q, k, v):  # training: the forward stores what the backward kernels need
+        problem = k_attn_bwd.AttentionProblem(
+            offsets, lengths, functools.partial(layout.prelude, device=q.device), key_lengths, bool(causal), scale,
+            (left, right), config, layout.max_len, drop,
+        )  # fmt: skip
+        return k_attn_bwd.ragged_attention_train(q, k, v, problem)
     grid_mapping, block_offsets = layout.prelude(config.block_m, q.device)
-    if _compiling(q) and key_lengths is None:
+    if _compiling(q) and key_lengths is None and drop is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return torch.ops.autoragged.ragged_attention(
             q, k, v, offsets, lengths, grid_mapping, block_offsets, bool(causal), scale,
@@ -86,7 +104,7 @@ def attention_values(
         )  # fmt: skip
     return k_attn.ragged_attention(
         q, k, v, offsets, lengths, grid_mapping, block_offsets, causal=causal, scale=scale, config=config,
-        window=(left, right), key_lengths=key_lengths,
+        window=(left, right), key_lengths=key_lengths, dropout=drop,
     )  # fmt: skip
 
 
@@ -103,8 +121,14 @@ def linear_values(
     """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N). `live`, a device tensor whose first
     element counts the rows needed, lets the Triton kernel skip the rest (their output is unspecified);
     cuBLAS and the references compute every row. Without a `config`, the Triton tiles are picked for
-    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`."""
+    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`. Under autograd or autocast: F.linear
+    (cuBLAS, differentiable, cast as autocast casts) and PyTorch's activation."""
+    if torch.is_autocast_enabled(x.device.type):  # (x may be of autocast's dtype and the weight not)
+        k_lin.check_inputs(x, weight, bias, activation, same_dtype=False)
+        return k_lin.ragged_linear_ref(x, weight, bias, activation)
     k_lin.check_inputs(x, weight, bias, activation)
+    if _recording(x, weight, bias):
+        return k_lin.ragged_linear_ref(x, weight, bias, activation)
     config = config or k_lin.default_config(
         weight.shape[0], weight.shape[1], rows or x.shape[0], k_lin.sm_count(x.device)
     )
@@ -162,6 +186,14 @@ def add_layer_norm_values(
     k_ln.check_inputs(x, residual, weight, bias)
     if not use_triton(x):
         return k_ln.add_layer_norm_ref(x, residual, weight, bias, eps, store_sum=store_sum)
+    if _recording(x, residual, weight, bias):
+        if live is not None:
+            raise ValueError("add_layer_norm_values: live rows are inference-only; pass live=None when training")
+        # PyTorch's add and layer_norm, not our kernel's Function (`k_ln.add_layer_norm_train`, as exact): two aten
+        # launches forward and back cost less host time than two Triton ones, and a training step of bert-base is
+        # host-bound on short rows (MNLI B=64: 41 ms a step against 56, H200, alternated in one lease)
+        total = x if residual is None else x + residual
+        return F.layer_norm(total, total.shape[-1:], weight, bias, eps), (total if store_sum else None)
     if _compiling(x):
         c = config or k_ln.default_config(x.shape[1])
         out, total = torch.ops.autoragged.add_layer_norm(
@@ -179,6 +211,8 @@ def add_rms_norm_values(
     k_rms.check_inputs(x, residual, weight)
     if not use_triton(x):
         return k_rms.add_rms_norm_ref(x, residual, weight, eps, store_sum=store_sum)
+    if _recording(x, residual, weight):
+        return k_rms.add_rms_norm_train(x, residual, weight, eps, store_sum)
     return k_rms.add_rms_norm(x, residual, weight, eps, store_sum=store_sum)
 
 
@@ -187,14 +221,18 @@ def rotary_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     k_rope.check_inputs(x, cos, sin)
     if not use_triton(x):
         return k_rope.rotary_ref(x, cos, sin)
+    if _recording(x, cos, sin):
+        return k_rope.rotary_train(x, cos, sin)  # cos or sin requiring grad is an error there
     return k_rope.rotary(x, cos, sin)
 
 
 def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (T, F), as HF's Llama-family MLP; may overwrite gate."""
+    """silu(gate) * up (T, F), as HF's Llama-family MLP; may overwrite gate (never while autograd records)."""
     k_act.check_inputs(gate, up)
     if not use_triton(gate):
         return k_act.silu_mul_ref(gate, up)
+    if _recording(gate, up):
+        return k_act.silu_mul_train(gate, up)
     return k_act.silu_mul(gate, up)
 
 

@@ -438,7 +438,7 @@ def _fit_and_store(db, key, refit: bool, max_batches: int | None = None) -> int:
     from .planning.costmodel import FEATURE_VERSION
     from .planning.learned import KIND, MIN_ROWS, TooFewMeasurements, beats_prior, fit_cost_model
 
-    rows = db.measurements(device=key.key)
+    rows = [m for m in db.measurements(device=key.key) if not m.extra.get("train")]  # forward costs only
     if not rows and refit:
         log.error("no measurements for %s in %s; run the tuner without --refit first", key.key, db.path)
         return 1

@@ -68,6 +68,17 @@ def test_stream_table_smoke(tmp_path):
     assert line["summary"]["cora"]["max_auto_over_best_forced"] > 0
 
 
+def test_train_table_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    line = smoke("train_table", tmp_path)
+    assert [(r["dataset"], r["batch"]) for r in line["rows"]] == [("CoLA", 2), ("MRPC", 2)]
+    for r in line["rows"]:
+        assert all(r[f"{c}{n}"] > 0 for c in ("padded", "auto", "ragged") for n in (1, 2))
+        assert r["ragged_arms"] == {"ragged": r["ragged_arms"]["ragged"]}, r["ragged_reasons"]
+        assert r["ragged_loss_err"] <= 2 * r["padded_loss_err"] + 1e-6  # within bf16 autocast's own error
+    assert line["summary"]["min_auto_vs_padded"] > 0
+
+
 def test_encode_smoke(tmp_path):
     pytest.importorskip("sentence_transformers")
     line = smoke("encode", tmp_path)

@@ -70,7 +70,7 @@ def test_timings_overrule_the_prediction_and_a_read_counts_against_the_arm_that_
     x, mask = batch(LENGTHS, 64, "cpu")
     times = {"padded": 1.0, "ragged": 5.0}
 
-    def timed(self, timer, t0, record, kind, shape):
+    def timed(self, timer, t0, record, kind, shape, backward):
         record.measured_ms = times[kind]
         core.policy.observe(shape, kind, times[kind])
         self.ring.append(record)

@@ -22,7 +22,9 @@ class Body:
     static_reason:  why the ragged arm can never run this module, or None
     batch_first:    the padded tensor the ragged arm packs is (B, L, D) (else (L, B, D))
     d_model, head_dim
-    has_dropout:    training mode then runs padded
+    has_dropout:    training mode then runs padded, unless `trains`
+    trains:         the ragged arm runs under autograd (the kernels' backward) and applies the hidden dropouts;
+                    `train_reason` names what still keeps a training batch padded
     fused:          the layers run as fused-encoder specs (so a graph's Triton linears can run them)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
@@ -40,6 +42,7 @@ class Body:
     d_model = 0
     head_dim = 0
     has_dropout = False
+    trains = False
     fused = False
     mask_graph = False
     first_column = False
@@ -61,6 +64,14 @@ class Body:
         """The ragged arm on packed values x (rows, D) -> (rows, D); `hidden`, a list, gets each layer's
         output values (for `output_hidden_states`)."""
         raise NotImplementedError
+
+    def train_reason(self, module: torch.nn.Module, grad: bool) -> str | None:
+        """Why a batch in training mode (`module.training`) or under autograd (`grad`) runs padded, or None."""
+        if grad and not self.trains:
+            return "autograd is on (this family's ragged arm has no backward)"
+        if module.training and self.has_dropout and not self.trains:
+            return "training mode with dropout"
+        return None
 
     def hooked(self) -> bool:
         """True when a submodule has a forward hook (it would see packed rows, or nothing, on the ragged arm)."""

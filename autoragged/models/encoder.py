@@ -18,19 +18,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels._config import KernelConfig
 from ..ops import add_layer_norm_values, attention_values, linear_values
 from ..ragged.layout import Layout
 
-__all__ = ["EncoderLayerSpec", "encoder_values", "linear_config", "FUSED_ACTIVATIONS"]
+__all__ = [
+    "EncoderLayerSpec",
+    "Dropouts",
+    "encoder_values",
+    "linear_config",
+    "FUSED_ACTIVATIONS",
+]
 
 FUSED_ACTIVATIONS = ("relu", "gelu")  # in the linear's epilogue; "gelu" is the exact (erf) one
 
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight (N, K), bias (N,) or None)
 Norm = tuple[torch.Tensor | None, torch.Tensor | None, float]  # (weight, bias, eps) of a LayerNorm
+
+
+class Dropouts(NamedTuple):
+    """A layer's dropout probabilities, applied in training only. `probs`: on the attention probabilities (in the
+    attention kernel, forward and backward); `attn_out`: after the out projection;
+    `ff_inner`: after the activation; `ff_out`: after the second feed-forward linear."""
+
+    probs: float = 0.0
+    attn_out: float = 0.0
+    ff_inner: float = 0.0
+    ff_out: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +67,7 @@ class EncoderLayerSpec:
     norm2: Norm
     norm_first: bool = False
     scale: float | None = None  # attention scale (default 1 / sqrt(head dim))
+    dropout: Dropouts = Dropouts()
 
 
 _CUBLAS = KernelConfig(backend="cublas")
@@ -59,7 +79,7 @@ def linear_config(config: KernelConfig | None) -> KernelConfig | None:
     return _CUBLAS if config is not None and config.backend == "cublas" else None
 
 
-def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, causal: bool) -> torch.Tensor:
+def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, causal: bool, training: bool):
     """Self-attention of one layer on values x (rows, D) -> (rows, D)."""
     rows, D = x.shape
     H = spec.heads
@@ -69,17 +89,25 @@ def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, 
         q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     else:
         q, k, v = (linear_values(x, w, b, None, lin, live=live, rows=tiles).view(rows, H, D // H) for w, b in spec.qkv)
-    a = attention_values(q, k, v, layout, causal=causal, scale=spec.scale, config=config)
-    return linear_values(a.view(rows, D), *spec.out, None, lin, live=live, rows=tiles)
+    drop = spec.dropout.probs if training else 0.0
+    a = attention_values(q, k, v, layout, causal=causal, scale=spec.scale, config=config, dropout=drop)
+    return _dropout(
+        linear_values(a.view(rows, D), *spec.out, None, lin, live=live, rows=tiles), spec.dropout.attn_out, training
+    )
 
 
-def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layout) -> torch.Tensor:
+def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layout, training: bool) -> torch.Tensor:
     lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     fused = spec.activation if isinstance(spec.activation, str) else None
     h = linear_values(x, *spec.ff1, fused, lin, live=live, rows=tiles)
     if fused is None:
         h = spec.activation(h)
-    return linear_values(h, *spec.ff2, None, lin, live=live, rows=tiles)
+    h = _dropout(h, spec.dropout.ff_inner, training)
+    return _dropout(linear_values(h, *spec.ff2, None, lin, live=live, rows=tiles), spec.dropout.ff_out, training)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p, training=True) if training and p > 0 else x
 
 
 def encoder_values(
@@ -90,13 +118,18 @@ def encoder_values(
     config: KernelConfig | None = None,
     causal: bool = False,
     hidden_states: list | None = None,
+    training: bool = False,
 ) -> torch.Tensor:
     """Run the layers (and the final norm) on values x (rows, D); gap rows of the result are unspecified,
     and so are rows from `layout.live` on where the layout has one. `hidden_states`, when a list, gets each
-    layer's output values appended (pre-norm stacks: the residual stream after the layer)."""
+    layer's output values appended (pre-norm stacks: the residual stream after the layer). `training` applies
+    the specs' dropouts."""
     live = layout.live
+    autocast = torch.is_autocast_enabled(x.device.type)
 
     def add_norm(a, residual, norm: Norm, store_sum=False):
+        if autocast:  # the original's norm(a + x) under autocast: the sum promoted, LayerNorm in float32
+            a, residual = a.float(), None if residual is None else residual.float()
         return add_layer_norm_values(a, residual, *norm, store_sum=store_sum, live=live)
 
     pending: torch.Tensor | None = None  # pre-norm: the feed-forward output not yet added to x
@@ -108,13 +141,13 @@ def encoder_values(
                 h, x = add_norm(pending, x, spec.norm1, True)
                 if hidden_states is not None:
                     hidden_states.append(x)
-            a = _attention(spec, h, layout, config, causal)
+            a = _attention(spec, h, layout, config, causal, training)
             h, x = add_norm(a, x, spec.norm2, True)
-            pending = _feed_forward(spec, h, config, layout)
+            pending = _feed_forward(spec, h, config, layout, training)
         else:
-            a = _attention(spec, x, layout, config, causal)
+            a = _attention(spec, x, layout, config, causal, training)
             x, _ = add_norm(a, x, spec.norm1)
-            f = _feed_forward(spec, x, config, layout)
+            f = _feed_forward(spec, x, config, layout, training)
             x, _ = add_norm(f, x, spec.norm2)
             if hidden_states is not None:
                 hidden_states.append(x)

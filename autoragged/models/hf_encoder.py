@@ -42,7 +42,7 @@ from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
 from .base import EpochCache
-from .encoder import EncoderLayerSpec, encoder_values
+from .encoder import Dropouts, EncoderLayerSpec, encoder_values
 from .qkv import FusedQKV, unfuse
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -79,6 +79,7 @@ def _bert_layer(layer) -> EncoderLayerSpec:
         norm1=_ln(o.LayerNorm), ff1=_lin(layer.intermediate.dense),
         activation=_activation(layer.intermediate.intermediate_act_fn), ff2=_lin(layer.output.dense),
         norm2=_ln(layer.output.LayerNorm), scale=s.scaling,
+        dropout=Dropouts(probs=s.dropout.p, attn_out=o.dropout.p, ff_out=layer.output.dropout.p),
     )  # fmt: skip
 
 
@@ -102,6 +103,7 @@ def _albert_layers(base):
                 heads=a.num_attention_heads, qkv=(_lin(a.query), _lin(a.key), _lin(a.value)), out=_lin(a.dense),
                 norm1=_ln(a.LayerNorm), ff1=_lin(layer.ffn), activation=_activation(layer.activation),
                 ff2=_lin(layer.ffn_output), norm2=_ln(layer.full_layer_layer_norm), scale=a.scaling,
+                dropout=Dropouts(probs=a.attention_dropout.p, attn_out=a.output_dropout.p),  # (layer.dropout: unused)
             ))  # fmt: skip
     return specs
 
@@ -119,6 +121,7 @@ def _distilbert_layers(base):
             heads=a.n_heads, qkv=(_lin(a.q_lin), _lin(a.k_lin), _lin(a.v_lin)), out=_lin(a.out_lin),
             norm1=_ln(layer.sa_layer_norm), ff1=_lin(layer.ffn.lin1), activation=_activation(layer.ffn.activation),
             ff2=_lin(layer.ffn.lin2), norm2=_ln(layer.output_layer_norm), scale=a.scaling,
+            dropout=Dropouts(probs=a.dropout.p, ff_out=layer.ffn.dropout.p),
         ))  # fmt: skip
     return specs
 
@@ -223,6 +226,7 @@ class HFEncoderBody(_hf.HFBody):
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
+        self.trains = self.fused  # (ModernBERT runs its own layer modules: no training path yet)
         # a task head or pooler may read column 0 of the output, a pad in a left-padded row that the original
         # computes (a query over the row's real tokens): every ragged arm of the fused families computes it as a
         # query-only row of its own (`Layout.with_query_rows`, kernels/masked_pack.py), as the original does.
@@ -268,14 +272,17 @@ class HFEncoderBody(_hf.HFBody):
 
     def _layer_specs(self) -> list:
         specs = self._specs.get()
-        return self._qkv.layers(specs) if self._qkv is not None else specs
+        if self._qkv is None or torch.is_grad_enabled():  # the fused buffer is no parameter: autograd uses the three
+            return specs
+        return self._qkv.layers(specs)
 
     def values(self, x, layout, config, causal, hidden=None):
         family = self.family
         if hidden is not None:
             hidden.append(x)
         if family.layers is not None:
-            return encoder_values(self._layer_specs(), None, x, layout, config, causal, hidden)
+            specs = self._layer_specs()
+            return encoder_values(specs, None, x, layout, config, causal, hidden, self.module.training)
         return self._module_values(x, layout, config, hidden)
 
     def _module_values(self, x, layout, config, hidden):

@@ -85,6 +85,7 @@ def signature_of(module: nn.Module) -> ModuleSignature:
 class TorchEncoderBody(Body):
     def __init__(self, module: nn.Module):
         super().__init__(module)
+        self.module = module
         self.base = _BASE.get(type(module), type(module))
         if isinstance(module, nn.TransformerEncoder):
             self.layers, self.norm = list(module.layers), module.norm
@@ -98,7 +99,7 @@ class TorchEncoderBody(Body):
         self.sig = signature_of(module)
         self.d_model = self.sig.d_model
         self.head_dim = self.sig.d_model // max(self.sig.heads, 1)
-        self.fused = self.mask_graph = True
+        self.fused = self.mask_graph = self.trains = True
         self._layers_dict = _layer_dict(module)
         self._layer_count = len(self._layers_dict) if self._layers_dict is not None else 0
         # the layers as specs, re-made only when a parameter or module was (re-)registered
@@ -108,7 +109,7 @@ class TorchEncoderBody(Body):
         return self.layers[0].linear1.weight
 
     def values(self, x, layout, config, causal, hidden=None):
-        return encoder_values(*self._specs.get(), x, layout, config, causal, hidden)
+        return encoder_values(*self._specs.get(), x, layout, config, causal, hidden, self.module.training)
 
     def synthetic(self, lengths, L: int, device, mask: bool = True) -> tuple[tuple, dict]:
         """(args, kwargs) of a call of this module on a batch of `lengths` padded to L (zeros; right padding),

@@ -80,7 +80,8 @@ class Options:
 @dataclass
 class _Timed:
     """A timed batch waiting for its end event: its (start, end) pair and their pool, the host ms its call took,
-    its record, the arm kind, and the shape whose policy learns from it (None: a forced arm)."""
+    its record, the arm kind, the shape whose policy learns from it (None: a forced arm), and for a batch autograd
+    records, its backward's timing (a training batch's cost is its forward and its backward)."""
 
     timers: Timers
     pair: tuple
@@ -88,6 +89,37 @@ class _Timed:
     record: Record
     kind: str
     shape: ShapeState | None
+    backward: _Backward | None = None
+
+
+class _Backward:
+    """The backward of one timed training batch, bracketed by two hooks: its start where the gradient reaches the
+    module's output, its end where the module's first parameter (registration order: the embeddings, or the first
+    layer's, whose gradient autograd accumulates last) has its gradient accumulated."""
+
+    def __init__(self, timers: Timers, output: torch.Tensor, first: nn.Parameter, batch: int):
+        self.timers, self.pair, self.batch = timers, timers.take(), batch
+        self.started = self.ended = False
+        output.register_hook(self._start)
+        self._end_hook = first.register_post_accumulate_grad_hook(self._end)
+
+    def _start(self, grad):
+        if not self.started:
+            self.started = True
+            self.timers.record(self.pair[0])
+
+    def _end(self, param):
+        if self.started and not self.ended:
+            self.ended = True
+            self.timers.record(self.pair[1])
+            self._end_hook.remove()
+
+    def drop(self) -> None:
+        """Forget a backward that never ran (the output was not back-propagated through)."""
+        self._end_hook.remove()
+
+
+_BACKWARD_WAIT = 16  # batches a timed training batch waits for its backward before its timing is dropped
 
 
 class Runtime:
@@ -105,7 +137,8 @@ class Runtime:
         self.ring: deque[Record] = deque(maxlen=_RING)
         self.planners: dict[torch.device, Planner] = {}
         self.shapes: dict[ShapeKey, ShapeState] = {}
-        self.scales = Scales()
+        self.scales = Scales()  # inference batches' measured / predicted
+        self.train_scales = Scales()  # training batches' (forward and backward) measured / predicted forward
         self.pending: deque[_Timed] = deque()
         self.graphs: GraphCache | None = None
         self.pads_ring: PadsRing | None = None
@@ -125,9 +158,9 @@ class Runtime:
     def __getstate__(self):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: options travel, state does not."""
         state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, shapes={}, scales=Scales(), pending=deque(), graphs=None,
-                     pads_ring=None, timers={}, body=None, _bound_epoch=-1, _probe=None, _probe_epoch=-1, _params=[],
-                     _params_epoch=-1)  # fmt: skip
+        state.update(ring=deque(maxlen=_RING), planners={}, shapes={}, scales=Scales(), train_scales=Scales(),
+                     pending=deque(), graphs=None, pads_ring=None, timers={}, body=None, _bound_epoch=-1, _probe=None,
+                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
         return state
 
     def ready(self, module) -> Runtime:
@@ -169,9 +202,10 @@ class Runtime:
         t0, quiet = time.perf_counter(), quiet_mark()
         device = call.device
         timer = self._start(device)
-        reason = self.static_reason or self._dynamic_reason(module, call)
+        grad = torch.is_grad_enabled() and (call.requires_grad or any(map(_REQUIRES_GRAD, self._parameters(module))))
+        reason = self.static_reason or self._dynamic_reason(module, call, grad)
         lens, not_prefix = self._known_lengths(call)
-        key = ShapeKey(call.B, mask_width(call.L), lens is None)
+        key = ShapeKey(call.B, mask_width(call.L), lens is None, grad, torch.is_autocast_enabled(device.type))
         shape = self.shapes.get(key) or self.shapes.setdefault(key, ShapeState())
         if lens is None and (reason or self.policy != "auto" or call.causal or shape.stats is None):
             lens, not_prefix = self._read(call)
@@ -190,7 +224,9 @@ class Runtime:
             record.defer(pads, width, call.L, self._pads_ring(device))
             shape.unread = record
         if decision.timed and timer is not None and quiet is not None and quiet == quiet_mark():
-            self._time(timer, t0, record, arm.kind, shape if learns else None)
+            backward = self._backward(module, timer[0], out) if key.train else None
+            learns = learns and (backward is not None) == key.train  # a training cost needs its backward
+            self._time(timer, t0, record, arm.kind, shape if learns else None, backward)
         else:
             if timer is not None:
                 timer[0].give(timer[1])
@@ -206,11 +242,13 @@ class Runtime:
             return _Decision(PADDED, False, "policy=padded", {}, None, False)
         if self.policy == "ragged":
             config = self.options.config or default_ragged_config(self.body.head_dim, stats.max_len)
-            return _Decision(Arm("ragged", _aligned(config, call)), False, "policy=ragged", {}, None, False)
+            return _Decision(Arm("ragged", _aligned(config, call, key)), False, "policy=ragged", {}, None, False)
         predictions = self._planner(call.device).predict(stats, key.width)
         predicted = {"padded": predictions.ms["padded"], "ragged": predictions.ms["ragged"]}
         ready = {"padded", "ragged"}
-        gkey, graph, unavailable = self._graph_key(call, key), None, None
+        # a graph replays no dropout mask, records no autograd and casts nothing: training and autocast run eager
+        gkey = None if key.train or key.autocast or module.training else self._graph_key(call, key)
+        graph, unavailable = None, None
         if gkey is not None:
             cache = self.graph_cache()
             cache.check_params(self._parameters(module))
@@ -220,7 +258,8 @@ class Runtime:
                 graph = cache.lookup(gkey)
                 if graph is not None:
                     ready.add("ragged_graph")
-        choice = policy.choose(shape, predicted, ready, self.sample_every, self.scales)
+        scales = self.train_scales if key.train else self.scales
+        choice = policy.choose(shape, predicted, ready, self.sample_every, scales)
         why = f"{choice.why}: {predictions.note}" if choice.why == "predicted" else choice.why
         if choice.want == "ragged_graph":
             self._request_graph(module, gkey, stats, call)
@@ -229,7 +268,7 @@ class Runtime:
             why += f"; {NO_GRAPH}: {unavailable}"
         arm = predictions.arms[choice.kind]
         if choice.kind == "ragged":
-            arm = Arm("ragged", _aligned(arm.config, call))
+            arm = Arm("ragged", _aligned(arm.config, call, key))
         graph = graph if choice.kind == "ragged_graph" else None
         return _Decision(arm, choice.timed, why, predictions.ms, graph, True)
 
@@ -313,19 +352,22 @@ class Runtime:
                 "mask, True = pad (e.g. attention_mask == 0)", self.sig_key,
             )  # fmt: skip
 
-    def _dynamic_reason(self, module, call) -> str | None:
-        """Why this call must run padded (the call's own reason first), or None."""
+    def _dynamic_reason(self, module, call, grad: bool) -> str | None:
+        """Why this call must run padded (the call's own reason first), or None. `grad`: autograd records it."""
         if call.reason is not None:
             return call.reason
         p = self._param()
         if call.dtype != p.dtype or call.device != p.device:
             return f"input {call.dtype} on {call.device} differs from the parameters ({p.dtype} on {p.device})"
-        if torch.is_grad_enabled() and (call.requires_grad or any(map(_REQUIRES_GRAD, self._parameters(module)))):
-            return "autograd is on (no backward kernels yet)"
-        if module.training and self.body.has_dropout:
-            return "training mode with dropout"
+        if grad or module.training:
+            reason = self.body.train_reason(module, grad)
+            if reason is not None:
+                return reason
         if torch.is_autocast_enabled(call.device.type):
-            return "autocast"
+            if not self.body.trains:
+                return "autocast"
+            if p.dtype != torch.float32:
+                return f"autocast over {str(p.dtype)[6:]} parameters (the ragged arm's norms take float32 ones)"
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return "global forward hooks"
         if self.body.hooked():
@@ -453,11 +495,23 @@ class Runtime:
             timers = self.timers[device] = Timers(device)
         return timers, timers.start()
 
-    def _time(self, timer, t0: float, record: Record, kind: str, shape: ShapeState | None) -> None:
+    def _time(self, timer, t0: float, record: Record, kind: str, shape, backward: _Backward | None) -> None:
         timers, pair = timer
         timers.record(pair[1])
         self.ring.append(record)
-        self.pending.append(_Timed(timers, pair, (time.perf_counter() - t0) * 1e3, record, kind, shape))
+        self.pending.append(_Timed(timers, pair, (time.perf_counter() - t0) * 1e3, record, kind, shape, backward))
+
+    def _backward(self, module, timers: Timers, out) -> _Backward | None:
+        """The backward timing of a timed training batch, or None where its output or parameters take no gradient."""
+        output = out
+        if isinstance(out, dict):  # a ModelOutput: its first field, the last hidden state
+            output = next(iter(out.values()), None)
+        elif isinstance(out, (tuple, list)):
+            output = out[0] if out else None
+        first = next((p for p in self._parameters(module) if p.requires_grad), None)
+        if not isinstance(output, torch.Tensor) or not output.requires_grad or first is None:
+            return None
+        return _Backward(timers, output, first, self.count)
 
     def harvest(self, wait: bool = False) -> None:
         """Take in the timings of timed batches whose end event has completed; waits only if `wait`. A batch's
@@ -466,22 +520,37 @@ class Runtime:
         while self.pending:
             timed = self.pending[0]
             start, end = timed.pair
+            backward = timed.backward
+            if backward is not None and not backward.ended:
+                if self.count - backward.batch < _BACKWARD_WAIT and not wait:
+                    return
+                backward.drop()  # its backward never ran: the forward alone is no training cost
+                self.pending.popleft()
+                timed.timers.give(timed.pair)
+                self._record(timed.record)
+                continue
             if wait:
                 end.synchronize()
-            elif not end.query():
+                if backward is not None:
+                    backward.pair[1].synchronize()
+            elif not end.query() or (backward is not None and not backward.pair[1].query()):
                 return
             self.pending.popleft()
             ms = max(start.elapsed_time(end), timed.host_ms)
             timed.timers.give(timed.pair)
+            if backward is not None:
+                ms += backward.pair[0].elapsed_time(backward.pair[1])
+                backward.timers.give(backward.pair)
             record = timed.record
             record.measured_ms = ms
             if timed.shape is not None:
                 policy.observe(timed.shape, timed.kind, ms)
-                self.scales.observe(timed.kind, ms, record.predicted_ms.get(timed.kind, math.inf), timed.host_ms)
+                scales = self.scales if backward is None else self.train_scales
+                scales.observe(timed.kind, ms, record.predicted_ms.get(timed.kind, math.inf), timed.host_ms)
             config = None if record.arm.config is None else record.arm.config.to_dict()
+            extra = {"ladder": LADDER_VERSION} if record.arm.graph else {"train": True} if backward is not None else {}
             measurement = Measurement(record.device.key, record.signature, record.arm.kind, config, record.stats,
-                                      ms, ms, ms, 1, record.time, source="runtime",
-                                      extra={"ladder": LADDER_VERSION} if record.arm.graph else {})  # fmt: skip
+                                      ms, ms, ms, 1, record.time, source="runtime", extra=extra)  # fmt: skip
             self._record(record, measurement)
 
     def _after(self, record: Record) -> None:
@@ -568,9 +637,13 @@ def _on_device(mask: torch.Tensor) -> bool:
     return mask.is_cuda
 
 
-def _aligned(config: KernelConfig, call) -> KernelConfig:
-    """A RaggedTensor runs on its own layout (token-budget bins are often align 16): no repack."""
+def _aligned(config: KernelConfig, call, key: ShapeKey) -> KernelConfig:
+    """The eager arm's config for this call: a RaggedTensor runs on its own layout (token-budget bins are often
+    align 16: no repack); a training batch's linears are cuBLAS's (F.linear, differentiable), so its packed rows
+    take cuBLAS's rungs (`_eager_rows`)."""
     rt = call.ragged_in
+    if key.train and config.backend != "cublas":
+        config = config.replace(backend="cublas")
     return config if rt is None or config.align == rt.align else config.replace(align=rt.align)
 
 

@@ -42,11 +42,14 @@ _WINDOW = 8  # timings kept per arm
 
 class ShapeKey(NamedTuple):
     """A shape: `batch` rows, padded to a length whose graph rung is `width`; `mask_only`: only a device mask came
-    (the lengths are unknown until read)."""
+    (the lengths are unknown until read); `train`: autograd records the batch (its arms' costs include the
+    backward); `autocast`: it runs under autocast (the linears in its lower precision)."""
 
     batch: int
     width: int
     mask_only: bool
+    train: bool = False
+    autocast: bool = False
 
 
 @dataclass

@@ -191,9 +191,13 @@ class Timers:
 
     def start(self) -> tuple:
         """A pair whose start is recorded now."""
-        pair = self.free.pop() if self.free else self._new()
+        pair = self.take()
         self.record(pair[0])
         return pair
+
+    def take(self) -> tuple:
+        """A pair, neither recorded."""
+        return self.free.pop() if self.free else self._new()
 
     def record(self, timer) -> None:
         if self.cuda:

@@ -1,0 +1,218 @@
+"""BERT-base fine-tuning steps on the CoRa rows: HF padded against the wrapped model (auto and forced ragged).
+
+    python benchmarks/train_table.py                 # 24 rows: the eight CoRa datasets at B = 32, 64, 128
+    python benchmarks/train_table.py --quick         # 6 rows: CoLA, MNLI, RACE at B = 32 and 128
+    python benchmarks/train_table.py --smoke         # a tiny BERT on the CPU: checks the script
+
+Model: transformers.BertForSequenceClassification (bert-base shape, 3 labels) from a config (random weights), fp32
+weights, bf16 autocast, sdpa attention, train mode with hidden dropout 0.1 and attention-probability dropout 0 (the
+ragged attention kernel applies none: with it the wrapped model trains padded, and says so). One step: forward, the
+model's own cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
+
+Per row, each column trains a copy of the same initial weights: WARM steps (the wrapped model's policy tries its
+arms), then TIMED new steps back to back with one synchronisation at the end (the first pass: every batch a new padded
+length and token count, as the first epoch meets them), then the same steps again twice (the second pass, the faster
+of the two: shapes seen before, as in later epochs). The columns take turns pass by pass (padded, auto, ragged, then
+the reverse, then forward again), so a drift of the shared host's speed hits them alike. Cells are ms per step;
+GiB is the peak memory of a column's passes, the three models and their optimizer states resident. `loss_err`: on the
+row's first timed batch, with dropout off and the initial weights, |loss of the column - the fp32 model's in float64|.
+
+Columns: padded (the HF model), auto (autoragged.wrap(model, db=False): a fresh database, chooses per batch), ragged
+(wrap(..., policy="ragged")). Goals (issue 45), on the second pass: auto at least 0.97x padded on every row and at
+least 1.3x on rows with 40% padding or more at B >= 64. Appends a line to benchmarks/results/train_table.jsonl.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import autoragged  # noqa: E402
+from autoragged.workloads import hf_config  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    add_row_arguments,
+    arms_ran,
+    cora_rows,
+    device_of,
+    geomean,
+    header,
+    parser,
+    reasons_of,
+    record,
+    row_batches,
+    sync,
+    table,
+)
+
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
+COLUMNS = ("padded", "auto", "ragged")
+GOAL_ALL, GOAL_PADDED = 0.97, 1.3  # auto / padded: every row; rows with >= 40% padding at B >= 64
+
+
+def build(device, smoke: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, **TINY) if smoke else hf_config("bert-base")
+    config.num_labels, config.attention_probs_dropout_prob, config.hidden_dropout_prob = 3, 0.0, 0.1
+    config._attn_implementation = "sdpa"
+    return transformers.BertForSequenceClassification(config).to(device).train()
+
+
+def token_batch(lengths: list[int], g: torch.Generator, vocab: int, device) -> dict:
+    L = max(lengths)
+    keep = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.randint(5, vocab, (len(lengths), L), generator=g).masked_fill(~keep, 0)
+    labels = torch.randint(0, 3, (len(lengths),), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": keep.long().to(device), "labels": labels.to(device)}
+
+
+def column_model(plain, col: str):
+    model = copy.deepcopy(plain)
+    if col != "padded":
+        autoragged.wrap(model, db=False, policy="auto" if col == "auto" else "ragged")
+    fused = next(model.parameters()).is_cuda
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+
+
+def step(model, opt, batch, device) -> None:
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def loss_of(model, batch, device, dtype=None) -> float:
+    """The loss on `batch` with dropout off (eval mode, autograd on: the training path)."""
+    was = model.training
+    model.eval()
+    try:
+        if dtype is None:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return model(**batch).loss.item()
+        with torch.no_grad():  # (the float64 reference's graph would not fit next to the rest on Wiki512 B=128)
+            return model(**batch).loss.item()
+    finally:
+        model.train(was)
+
+
+def bench_row(plain, plain64, dataset: str, batch: int, device) -> dict:
+    warm, timed = row_batches(dataset, batch, token_batch, plain.config.vocab_size, device)
+    tokens = float(np.mean([int(b["attention_mask"].sum()) for b in timed]))
+    padded_tokens = float(np.mean([b["attention_mask"].numel() for b in timed]))
+    row = {"dataset": dataset, "batch": batch, "tokens": tokens, "padding": 1 - tokens / padded_tokens}
+    exact = loss_of(plain64, timed[0], device, torch.float64)
+    trained = {}
+    for col in COLUMNS:
+        model, opt = trained[col] = column_model(plain, col)
+        row[f"{col}_loss_err"] = abs(loss_of(model, timed[0], device) - exact)
+        for b in warm:
+            step(model, opt, b, device)
+    sync(device)
+    oom = set()
+    for n, order in enumerate((COLUMNS, COLUMNS[::-1], COLUMNS)):
+        for col in (c for c in order if c not in oom):
+            model, opt = trained[col]
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            try:
+                for b in timed:
+                    step(model, opt, b, device)
+                sync(device)
+            except torch.OutOfMemoryError:  # a result too: the column does not fit where another does
+                oom.add(col)
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                continue
+            ms = (time.perf_counter() - t0) * 1e3 / len(timed)
+            key = f"{col}1" if n == 0 else f"{col}2"
+            row[key] = min(ms, row.get(key, ms))
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device) / 2**30
+                row[f"{col}_peak_gib"] = max(peak, row.get(f"{col}_peak_gib", 0.0))
+    for col in oom:
+        row[f"{col}1"] = row[f"{col}2"] = row[f"{col}_peak_gib"] = None
+    row["oom"] = sorted(oom)
+    for col, (model, _) in trained.items():
+        row[f"{col}_ktok_s"] = tokens / row[f"{col}2"] if row[f"{col}2"] else None
+        if col != "padded":
+            row[f"{col}_arms"] = arms_ran(model, 3 * len(timed) + len(warm))
+            row[f"{col}_reasons"] = reasons_of(model, 3 * len(timed))
+    del trained
+    for n in (1, 2):
+        padded = row[f"padded{n}"]
+        for col in ("auto", "ragged"):
+            row[f"{col}_vs_padded{n}"] = padded / row[f"{col}{n}"] if padded and row[f"{col}{n}"] else None
+    cells = " ".join(f"{c}={row[c + '1'] or 0:.1f}/{row[c + '2'] or 0:.1f}" for c in COLUMNS)
+    print(f"  {dataset:8s} B={batch:3d} pad {row['padding']:.0%} {cells} auto arms {row['auto_arms']}"
+          + (f" out of memory: {', '.join(sorted(oom))}" if oom else ""), flush=True)  # fmt: skip
+    return row
+
+
+def goals(rows: list[dict]) -> dict:
+    rows = [r for r in rows if r["auto_vs_padded2"] is not None]  # (a row where padded ran out of memory: apart)
+    heavy = [r for r in rows if r["padding"] >= 0.4 and r["batch"] >= 64]
+    out = {
+        "geomean_auto_vs_padded1": geomean(r["auto_vs_padded1"] for r in rows),
+        "geomean_auto_vs_padded": geomean(r["auto_vs_padded2"] for r in rows),
+        "min_auto_vs_padded": min(r["auto_vs_padded2"] for r in rows),
+        "geomean_auto_vs_padded_heavy": geomean(r["auto_vs_padded2"] for r in heavy),
+        "misses": {
+            f"auto / padded below {GOAL_ALL}": [_label(r) for r in rows if r["auto_vs_padded2"] < GOAL_ALL],
+            f">= 40% padding, B >= 64, auto / padded below {GOAL_PADDED}": [
+                _label(r) for r in heavy if r["auto_vs_padded2"] < GOAL_PADDED
+            ],
+        },
+    }
+    heavy_text = f"{out['geomean_auto_vs_padded_heavy']:.2f}x" if heavy else "-"
+    print(f"\nsecond pass, auto / padded: geomean {out['geomean_auto_vs_padded']:.2f}x, worst row "
+          f"{out['min_auto_vs_padded']:.2f}x (goal >= {GOAL_ALL}); rows with >= 40% padding at B >= 64: geomean "
+          f"{heavy_text} (goal >= {GOAL_PADDED}); first pass: geomean "
+          f"{out['geomean_auto_vs_padded1']:.2f}x")  # fmt: skip
+    for what, missed in out["misses"].items():
+        print(f"rows with {what}: {', '.join(missed) or 'none'}")
+    return out
+
+
+def _label(row: dict) -> str:
+    return f"{row['dataset']} B={row['batch']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    add_row_arguments(p)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per row and column (default 12)")
+    p.add_argument("--warm", type=int, default=8, help="warm-up steps per row and column (default 8)")
+    args = p.parse_args(argv)
+    device = device_of(args, "benchmarks/train_table.py")
+    header("BERT-base fine-tuning steps on the CoRa rows (fp32 weights, bf16 autocast, AdamW)"
+           + (", smoke: tiny, CPU" if args.smoke else ""))  # fmt: skip
+    import benchmarks._common as common
+
+    common.WARM, common.TIMED = args.warm, (2 if args.smoke else args.steps)
+    plain = build(device, args.smoke)
+    plain64 = copy.deepcopy(plain).double()
+    rows = [bench_row(plain, plain64, dataset, batch, device) for dataset, batch in cora_rows(args)]
+    cols = [("dataset", "dataset", ""), ("batch", "B", "d"), ("padding", "pad", ".0%")]
+    cols += [(f"{c}{n}", f"{c}{n}", ".1f") for n in (1, 2) for c in COLUMNS]
+    cols += [(f"auto_vs_padded{n}", f"padded{n} / auto{n}", ".2f") for n in (1, 2)]
+    cols += [("ragged_vs_padded2", "padded2 / ragged2", ".2f")]
+    cols += [(f"{c}_peak_gib", f"{c} GiB", ".2f") for c in COLUMNS]
+    cols += [(f"{c}_loss_err", f"{c} loss err", ".1e") for c in ("padded", "ragged")]
+    print("\n## BERT-base fine-tuning: ms per step (forward, loss, backward, AdamW); 1 new batches, 2 the same again\n")
+    print(table(rows, cols))
+    record("train_table", args, rows, summary=goals(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

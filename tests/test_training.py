@@ -1,0 +1,201 @@
+"""Training through `autoragged.wrap()`: in train mode, under autograd, the ragged arm runs our kernels' backward and
+gives the original's loss and every parameter's gradient, for every BERT-family head and padding side and for
+PyTorch's encoder; hidden dropout runs ragged, attention-probability dropout trains padded and says so; the policy
+times a training batch's forward and backward.
+
+Gradients follow the tolerance rule of every numerical test (tests/_tolerance.py): each against the original model
+in float64, at most twice the original's own float32 error plus two ulps. The ragged arm runs the Triton kernels in
+the interpreter on CPU (slow: tiny models)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _tolerance import assert_within_torch_error
+from conftest import triton_available
+from torch import nn
+
+import autoragged
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not triton_available("cpu"), reason="needs Triton (the interpreter on CPU)")
+
+_COMMON = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+               pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+CONFIGS = {
+    "bert": lambda: transformers.BertConfig(**_COMMON),
+    "roberta": lambda: transformers.RobertaConfig(**_COMMON, max_position_embeddings=40),
+    "electra": lambda: transformers.ElectraConfig(**_COMMON, embedding_size=32),
+    "albert": lambda: transformers.AlbertConfig(**_COMMON, embedding_size=32, num_hidden_groups=1, inner_group_num=1),
+    "distilbert": lambda: transformers.DistilBertConfig(
+        vocab_size=100,
+        dim=64,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=96,
+        pad_token_id=1,
+        dropout=0.0,
+        attention_dropout=0.0,
+        seq_classif_dropout=0.0,
+        qa_dropout=0.0,
+    ),  # fmt: skip
+}
+HEADS = {
+    "AutoModelForSequenceClassification": ("logits",),
+    "AutoModelForTokenClassification": ("logits",),
+    "AutoModelForQuestionAnswering": ("start_logits", "end_logits"),
+    "AutoModelForMaskedLM": ("logits",),
+}
+LENGTHS = (9, 4, 1, 7)
+
+
+def _model(family: str, head: str, **extra):
+    config = CONFIGS[family]()
+    config.num_labels = 2 if head == "AutoModelForQuestionAnswering" else 3
+    for k, v in extra.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    return getattr(transformers, head).from_config(config).train()
+
+
+def _batch(side: str, lengths=LENGTHS):
+    L = max(lengths)
+    lens, cols = torch.tensor(lengths), torch.arange(L)[None]
+    keep = cols < lens[:, None] if side == "right" else cols >= L - lens[:, None]
+    ids = torch.randint(4, 100, (len(lengths), L), generator=torch.Generator().manual_seed(1)).masked_fill(~keep, 1)
+    return {"input_ids": ids, "attention_mask": keep.long()}, keep
+
+
+def _outputs(out, fields, keep) -> torch.Tensor:
+    """The outputs that matter, flat: every row of a sequence head, real tokens of a token head (a pad's output is the
+    original's own computation, which no loss reads)."""
+    parts = []
+    for f in fields:
+        y = getattr(out, f)
+        parts.append((y[keep] if tuple(y.shape[:2]) == tuple(keep.shape) else y).reshape(-1))
+    return torch.cat(parts)
+
+
+def _grads(model, kwargs, fields, keep):
+    """(outputs, each parameter's gradient) of a fixed random projection of the outputs as the loss."""
+    model.zero_grad(set_to_none=True)
+    y = _outputs(model(**kwargs), fields, keep)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (y.double() * w).sum().backward()
+    return y.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_training(model, kwargs, keep, fields, what):
+    plain = copy.deepcopy(model)
+    plain64 = copy.deepcopy(model).double()
+    autoragged.wrap(model, db=False, policy="ragged")
+    y, ours = _grads(model, kwargs, fields, keep)
+    want_y, want = _grads(plain, kwargs, fields, keep)
+    y64, want64 = _grads(plain64, kwargs, fields, keep)
+    assert_within_torch_error(y, want_y, y64, f"{what} outputs")
+    assert ours.keys() == want.keys(), f"{what}: gradients of {sorted(set(want) ^ set(ours))} differ in presence"
+    largest = max(g.abs().max().item() for g in want64.values())
+    for name in want:
+        assert_within_torch_error(ours[name], want[name], want64[name], f"{what} d{name}", largest)
+    return model
+
+
+def _arms(model) -> list[tuple[str, str]]:
+    return [(d.arm, d.reason) for d in autoragged.recent_decisions(model, 100)]
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_training_gives_the_original_loss_and_gradients(family, head):
+    """Every head, both padding sides: loss and every parameter's gradient as the original's (a left-padded
+    sequence head reads column 0, a pad the original computes: the ragged arm computes it as a query-only row)."""
+    for side in ("right", "left"):
+        kwargs, keep = _batch(side)
+        model = _check_training(_model(family, head), kwargs, keep, HEADS[head], f"{family} {head} {side}")
+        assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_pytorch_encoder_trains_ragged(norm_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 2, 96, dropout=0.0, batch_first=True, norm_first=norm_first)
+    model = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(64) if norm_first else None, enable_nested_tensor=False)
+    model.train()
+    lens = torch.tensor(LENGTHS)
+    x = torch.randn(len(LENGTHS), max(LENGTHS), 64, requires_grad=True)
+    kpm = torch.arange(max(LENGTHS))[None] >= lens[:, None]
+    weights = torch.randn(x.shape, dtype=torch.float64)
+
+    def grads(m, dtype):
+        xi = x.detach().to(dtype).requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xi, src_key_padding_mask=kpm)
+        ((y.double() * weights)[~kpm]).sum().backward()
+        return [xi.grad] + [p.grad for p in m.parameters()]
+
+    plain, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    autoragged.wrap(model, db=False, policy="ragged")
+    ours, want, want64 = grads(model, torch.float32), grads(plain, torch.float32), grads(plain64, torch.float64)
+    largest = max(g.abs().max().item() for g in want64)
+    for i, (a, b, c) in enumerate(zip(ours, want, want64)):
+        assert_within_torch_error(a, b, c, f"gradient {i}", largest)
+    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+
+
+@pytest.mark.parametrize("dropout", ["hidden_dropout_prob", "attention_probs_dropout_prob"])
+def test_dropout_trains_ragged_with_a_new_mask_each_call(dropout):
+    """Hidden dropout on the packed rows, attention-probability dropout in the attention kernel (its mask checked
+    against the fp64 reference in tests/test_backward_attention.py): both train ragged, draw a new mask each call,
+    repeat under the same torch.manual_seed, and are off in eval mode."""
+    kwargs, _ = _batch("right")
+    model = _model("bert", "AutoModelForSequenceClassification", **{dropout: 0.3})
+    autoragged.wrap(model, db=False, policy="ragged")
+    torch.manual_seed(5)
+    a = model(**kwargs).logits
+    b = model(**kwargs).logits
+    torch.manual_seed(5)
+    again = model(**kwargs).logits
+    assert not torch.equal(a, b) and torch.equal(a, again)
+    a.sum().backward()
+    model.eval()
+    with torch.no_grad():
+        c, d = model(**kwargs).logits, model(**kwargs).logits
+    assert torch.equal(c, d)
+    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+
+
+def test_the_policy_times_a_training_batch_forward_and_backward(tmp_path):
+    """Timed training batches teach the policy their forward plus backward; their measurements are marked as
+    training ones (the calibration's fit of forward costs leaves them out)."""
+    db = tmp_path / "t.sqlite"
+    model = autoragged.wrap(_model("bert", "AutoModelForSequenceClassification"), db=db, sample_every=1)
+    kwargs, _ = _batch("right")
+    for _ in range(6):
+        model(**kwargs).logits.sum().backward()
+    runtime = model.bert._autoragged
+    runtime.harvest(wait=True)
+    (key, state), *others = runtime.shapes.items()
+    assert key.train and not others and state.timed, runtime.shapes
+    timed = [r for r in runtime.ring if r.measured_ms is not None]
+    assert len(timed) == 6 and all(r.arm.kind in ("padded", "ragged") for r in timed)
+    assert sum(len(samples) for samples in state.timed.values()) == 6
+
+
+def test_training_under_autocast_matches_the_original_under_autocast():
+    """float32 weights, bfloat16 autocast (the usual fine-tuning setup): the linears and attention in bfloat16, the
+    residual stream and LayerNorms in float32, as the original's; gradients within twice the original's own error."""
+    kwargs, keep = _batch("left")
+    model = _model("bert", "AutoModelForSequenceClassification")
+    plain, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    autoragged.wrap(model, db=False, policy="ragged")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ours = _grads(model, kwargs, ("logits",), keep)
+        want_y, want = _grads(plain, kwargs, ("logits",), keep)
+    y64, want64 = _grads(plain64, kwargs, ("logits",), keep)
+    assert _arms(model)[-1][0] == "ragged", _arms(model)
+    assert_within_torch_error(y.float(), want_y.float(), y64, "autocast logits")
+    largest = max(g.abs().max().item() for g in want64.values())
+    for name in want:
+        assert_within_torch_error(ours[name], want[name], want64[name], f"autocast d{name}", largest)
