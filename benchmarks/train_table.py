@@ -1,7 +1,9 @@
-"""BERT-base fine-tuning steps on the CoRa rows: HF padded against the wrapped model (auto and forced ragged).
+"""Training steps: BERT-base fine-tuning on the CoRa rows, decoder SFT on lognormal documents; HF against the wrapped
+model (auto and forced ragged).
 
     python benchmarks/train_table.py                 # 24 rows: the eight CoRa datasets at B = 32, 64, 128
     python benchmarks/train_table.py --quick         # 6 rows: CoLA, MNLI, RACE at B = 32 and 128
+    python benchmarks/train_table.py --models qwen2.5-0.5b qwen2.5-1.5b   # SFT steps, 8 and 16 documents a step
     python benchmarks/train_table.py --smoke         # a tiny BERT on the CPU: checks the script
 
 Model: transformers.BertForSequenceClassification (bert-base shape, 3 labels) from a config (random weights), fp32
@@ -19,15 +21,27 @@ row's first timed batch, with dropout off and the initial weights, |loss of the 
 
 Columns: padded (the HF model), auto (autoragged.wrap(model, db=False): a fresh database, chooses per batch), ragged
 (wrap(..., policy="ragged")). Goals (issue 45), on the second pass: auto at least 0.97x padded on every row and at
-least 1.3x on rows with 40% padding or more at B >= 64. Appends a line to benchmarks/results/train_table.jsonl.
+least 1.3x on rows with 40% padding or more at B >= 64.
+
+SFT (--models qwen2.5-0.5b / qwen2.5-1.5b): Qwen2ForCausalLM of that checkpoint's shape from a config, bf16 weights,
+sdpa, train mode; a step is forward with labels (the model's own shifted cross-entropy), backward, fused AdamW;
+documents of lognormal lengths (median 300 tokens, sigma 0.8, within 16-2048), 8 or 16 a step, random token ids.
+Columns: padded (HF, DataCollatorWithPadding's format: right padding, labels -100 at pads), packed (HF's own packed
+path: DataCollatorWithFlattening's one row with restarting position_ids, the first token of each document -100,
+use_cache=False so transformers splits the documents), auto and ragged (the wrapped model on the padded batches).
+Every call passes use_cache=False. Goals (issue 45): auto >= 2.0x padded and >= 1.4x packed, peak memory at most
+packed's, loss within bf16's own error. Appends a line to benchmarks/results/train_table.jsonl.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import pathlib
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -35,7 +49,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged.workloads import hf_config  # noqa: E402
+from autoragged.workloads import hf_config, llm_config  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     add_row_arguments,
     arms_ran,
@@ -51,6 +65,9 @@ from benchmarks._common import (  # noqa: E402
     table,
 )
 
+SFT_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+TINY_DECODER = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, max_position_embeddings=4096)  # fmt: skip
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
 COLUMNS = ("padded", "auto", "ragged")
 GOAL_ALL, GOAL_PADDED = 0.97, 1.3  # auto / padded: every row; rows with >= 40% padding at B >= 64
@@ -104,36 +121,47 @@ def loss_of(model, batch, device, dtype=None) -> float:
         model.train(was)
 
 
-def bench_row(plain, plain64, dataset: str, batch: int, device) -> dict:
-    warm, timed = row_batches(dataset, batch, token_batch, plain.config.vocab_size, device)
-    tokens = float(np.mean([int(b["attention_mask"].sum()) for b in timed]))
-    padded_tokens = float(np.mean([b["attention_mask"].numel() for b in timed]))
-    row = {"dataset": dataset, "batch": batch, "tokens": tokens, "padding": 1 - tokens / padded_tokens}
-    exact = loss_of(plain64, timed[0], device, torch.float64)
-    trained = {}
-    for col in COLUMNS:
-        model, opt = trained[col] = column_model(plain, col)
-        row[f"{col}_loss_err"] = abs(loss_of(model, timed[0], device) - exact)
-        for b in warm:
-            step(model, opt, b, device)
-    sync(device)
+class Column(NamedTuple):
+    """One column of a row: its model and optimizer, its warm-up and timed batches (each column's own format), and
+    its step (forward, loss, backward, optimizer)."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    warm: list
+    timed: list
+    step: Callable
+
+
+def race(columns: dict[str, Column], row: dict, device) -> None:
+    """Warm each column up, then its timed batches: pass 1 (new), then twice more (pass 2, the faster), the columns
+    taking turns pass by pass (forward, reverse, forward); ms per step, peak GiB and out-of-memory into `row`."""
+    names = list(columns)
     oom = set()
-    for n, order in enumerate((COLUMNS, COLUMNS[::-1], COLUMNS)):
+    for col, c in columns.items():
+        try:
+            for b in c.warm:
+                c.step(c.model, c.opt, b, device)
+            sync(device)
+        except torch.OutOfMemoryError:  # a result too: the column does not fit where another does
+            oom.add(col)
+            c.opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    for n, order in enumerate((names, names[::-1], names)):
         for col in (c for c in order if c not in oom):
-            model, opt = trained[col]
+            c = columns[col]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             try:
-                for b in timed:
-                    step(model, opt, b, device)
+                for b in c.timed:
+                    c.step(c.model, c.opt, b, device)
                 sync(device)
             except torch.OutOfMemoryError:  # a result too: the column does not fit where another does
                 oom.add(col)
-                opt.zero_grad(set_to_none=True)
+                c.opt.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
                 continue
-            ms = (time.perf_counter() - t0) * 1e3 / len(timed)
+            ms = (time.perf_counter() - t0) * 1e3 / len(c.timed)
             key = f"{col}1" if n == 0 else f"{col}2"
             row[key] = min(ms, row.get(key, ms))
             if device.type == "cuda":
@@ -142,20 +170,132 @@ def bench_row(plain, plain64, dataset: str, batch: int, device) -> dict:
     for col in oom:
         row[f"{col}1"] = row[f"{col}2"] = row[f"{col}_peak_gib"] = None
     row["oom"] = sorted(oom)
-    for col, (model, _) in trained.items():
-        row[f"{col}_ktok_s"] = tokens / row[f"{col}2"] if row[f"{col}2"] else None
-        if col != "padded":
-            row[f"{col}_arms"] = arms_ran(model, 3 * len(timed) + len(warm))
-            row[f"{col}_reasons"] = reasons_of(model, 3 * len(timed))
-    del trained
+    for col, c in columns.items():
+        row[f"{col}_ktok_s"] = row["tokens"] / row[f"{col}2"] if row[f"{col}2"] else None
+        if col in ("auto", "ragged"):
+            row[f"{col}_arms"] = arms_ran(c.model, 3 * len(c.timed) + len(c.warm))
+            row[f"{col}_reasons"] = reasons_of(c.model, 3 * len(c.timed))
     for n in (1, 2):
         padded = row[f"padded{n}"]
-        for col in ("auto", "ragged"):
+        for col in (c for c in names if c != "padded"):
             row[f"{col}_vs_padded{n}"] = padded / row[f"{col}{n}"] if padded and row[f"{col}{n}"] else None
-    cells = " ".join(f"{c}={row[c + '1'] or 0:.1f}/{row[c + '2'] or 0:.1f}" for c in COLUMNS)
-    print(f"  {dataset:8s} B={batch:3d} pad {row['padding']:.0%} {cells} auto arms {row['auto_arms']}"
-          + (f" out of memory: {', '.join(sorted(oom))}" if oom else ""), flush=True)  # fmt: skip
+    cells = " ".join(f"{c}={row.get(c + '1') or 0:.1f}/{row.get(c + '2') or 0:.1f}" for c in names)
+    short = f" out of memory: {', '.join(sorted(oom))}" if oom else ""
+    print(f"  {row['dataset']:8s} B={row['batch']:3d} pad {row['padding']:.0%} {cells} auto arms "
+          f"{row.get('auto_arms')}{short}", flush=True)  # fmt: skip
+
+
+def bench_row(plain, plain64, dataset: str, batch: int, device) -> dict:
+    warm, timed = row_batches(dataset, batch, token_batch, plain.config.vocab_size, device)
+    tokens = float(np.mean([int(b["attention_mask"].sum()) for b in timed]))
+    padded_tokens = float(np.mean([b["attention_mask"].numel() for b in timed]))
+    row = {"dataset": dataset, "batch": batch, "tokens": tokens, "padding": 1 - tokens / padded_tokens}
+    exact = loss_of(plain64, timed[0], device, torch.float64)
+    columns = {}
+    for col in COLUMNS:
+        model, opt = column_model(plain, col)
+        row[f"{col}_loss_err"] = abs(loss_of(model, timed[0], device) - exact)
+        columns[col] = Column(model, opt, warm, timed, step)
+    race(columns, row, device)
     return row
+
+
+# -- decoder SFT ------------------------------------------------------------------------------------------------
+SFT_ROWS = (8, 16)  # documents a step
+SFT_COLUMNS = ("padded", "packed", "auto", "ragged")
+LOGNORMAL = (math.log(300), 0.8, 16, 2048)  # (mu, sigma) of the lengths' log, and their clip
+
+
+def sft_lengths(n: int, rng: np.random.Generator) -> list[int]:
+    mu, sigma, lo, hi = LOGNORMAL
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), lo, hi).astype(int).tolist()
+
+
+def sft_batch(lengths: list[int], g: torch.Generator, vocab: int, device) -> dict:
+    """{"padded": right-padded kwargs, "packed": DataCollatorWithFlattening's}: the same documents, the same targets
+    (a document's first token is no target in either)."""
+    docs = [torch.randint(5, vocab, (n,), generator=g) for n in lengths]
+    L = max(lengths)
+    ids = torch.zeros(len(docs), L, dtype=torch.long)
+    keep = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    ids[keep] = torch.cat(docs)
+    padded = {"input_ids": ids, "attention_mask": keep.long(), "labels": ids.masked_fill(~keep, -100)}
+    flat = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = flat.masked_fill(positions == 0, -100)
+    packed = {"input_ids": flat, "position_ids": positions, "labels": labels}
+    to = lambda kw: {k: v.to(device) for k, v in kw.items()} | {"use_cache": False}  # noqa: E731
+    return {"padded": to(padded), "packed": to(packed)}
+
+
+def sft_step(model, opt, batch, device) -> None:
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def sft_row(plain, name: str, docs: int, device, args) -> dict:
+    rng = np.random.default_rng(docs)
+    g = torch.Generator().manual_seed(docs)
+    made = [
+        sft_batch(sft_lengths(docs, rng), g, plain.config.vocab_size, device) for _ in range(args.warm + args.steps)
+    ]
+    warm, timed = made[: args.warm], made[args.warm :]
+    tokens = float(np.mean([int(b["padded"]["attention_mask"].sum()) for b in timed]))
+    padded_tokens = float(np.mean([b["padded"]["attention_mask"].numel() for b in timed]))
+    row = {
+        "model": name,
+        "dataset": "lognormal",
+        "batch": docs,
+        "tokens": tokens,
+        "padding": 1 - tokens / padded_tokens,
+    }
+    columns = {}
+    for col in SFT_COLUMNS:
+        model = copy.deepcopy(plain)
+        if col in ("auto", "ragged"):
+            autoragged.wrap(model, db=False, policy="auto" if col == "auto" else "ragged")
+        fmt = "packed" if col == "packed" else "padded"
+        with torch.no_grad():
+            row[f"{col}_loss"] = model(**timed[0][fmt]).loss.item()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+        columns[col] = Column(model, opt, [b[fmt] for b in warm], [b[fmt] for b in timed], sft_step)
+    for col in SFT_COLUMNS:
+        row[f"{col}_loss_diff"] = abs(row[f"{col}_loss"] - row["padded_loss"])
+    race(columns, row, device)
+    del columns
+    return row
+
+
+def sft_table(name: str, args, device) -> tuple[list[dict], dict]:
+    import transformers
+
+    torch.manual_seed(0)
+    header(f"{name} SFT steps on lognormal documents (bf16, AdamW)" + (", smoke: tiny, CPU" if args.smoke else ""))
+    if args.smoke:
+        config = transformers.Qwen2Config(**TINY_DECODER)
+    else:
+        config = llm_config(name)
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plain = transformers.Qwen2ForCausalLM(config).to(device, dtype).train()
+    rows = [sft_row(plain, name, docs, device, args) for docs in ((2,) if args.smoke else SFT_ROWS)]
+    cols = [("model", "model", ""), ("batch", "docs", "d"), ("padding", "pad", ".0%")]
+    cols += [(f"{c}2", c, ".1f") for c in SFT_COLUMNS]
+    cols += [("auto_vs_padded2", "padded / auto", ".2f"), ("auto_vs_packed", "packed / auto", ".2f")]
+    cols += [(f"{c}_peak_gib", f"{c} GiB", ".2f") for c in SFT_COLUMNS]
+    cols += [(f"{c}_loss_diff", f"{c} loss - padded's", ".1e") for c in ("packed", "ragged")]
+    for r in rows:
+        r["auto_vs_packed"] = r["packed2"] / r["auto2"] if r.get("packed2") and r.get("auto2") else None
+    print(f"\n## {name} SFT: ms per step (forward, loss, backward, AdamW), batches seen before\n")
+    print(table(rows, cols))
+    summary = {
+        "geomean_auto_vs_padded": geomean(r["auto_vs_padded2"] for r in rows),
+        "geomean_auto_vs_packed": geomean(r["auto_vs_packed"] for r in rows),
+    }
+    print(f"\nauto / padded {summary['geomean_auto_vs_padded']:.2f}x (goal >= 2.0), auto / packed "
+          f"{summary['geomean_auto_vs_packed']:.2f}x (goal >= 1.4) as geomeans")  # fmt: skip
+    return rows, summary
 
 
 def goals(rows: list[dict]) -> dict:
@@ -192,13 +332,30 @@ def main(argv: list[str] | None = None) -> int:
     add_row_arguments(p)
     p.add_argument("--steps", type=int, default=12, help="timed steps per row and column (default 12)")
     p.add_argument("--warm", type=int, default=8, help="warm-up steps per row and column (default 8)")
+    p.add_argument("--models", nargs="+", choices=["bert-base", *SFT_MODELS], default=["bert-base"],
+                   help="bert-base (the CoRa rows) and/or decoder SFT shapes (default bert-base)")  # fmt: skip
     args = p.parse_args(argv)
     device = device_of(args, "benchmarks/train_table.py")
+    if args.smoke:
+        args.steps, args.warm = 2, min(args.warm, 2)
+    rows, summary = [], {}
+    for name in args.models:
+        if name == "bert-base":
+            bert_rows, summary[name] = bert_table(args, device)
+            rows += bert_rows
+        else:
+            sft_rows, summary[name] = sft_table(name, args, device)
+            rows += sft_rows
+    record("train_table", args, rows, summary=summary)
+    return 0
+
+
+def bert_table(args, device) -> tuple[list[dict], dict]:
     header("BERT-base fine-tuning steps on the CoRa rows (fp32 weights, bf16 autocast, AdamW)"
            + (", smoke: tiny, CPU" if args.smoke else ""))  # fmt: skip
     import benchmarks._common as common
 
-    common.WARM, common.TIMED = args.warm, (2 if args.smoke else args.steps)
+    common.WARM, common.TIMED = args.warm, args.steps
     plain = build(device, args.smoke)
     plain64 = copy.deepcopy(plain).double()
     rows = [bench_row(plain, plain64, dataset, batch, device) for dataset, batch in cora_rows(args)]
@@ -210,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     cols += [(f"{c}_loss_err", f"{c} loss err", ".1e") for c in ("padded", "ragged")]
     print("\n## BERT-base fine-tuning: ms per step (forward, loss, backward, AdamW); 1 new batches, 2 the same again\n")
     print(table(rows, cols))
-    record("train_table", args, rows, summary=goals(rows))
-    return 0
+    return rows, goals(rows)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,16 @@ def test_train_table_smoke(tmp_path):
         assert all(r[f"{c}{n}"] > 0 for c in ("padded", "auto", "ragged") for n in (1, 2))
         assert r["ragged_arms"] == {"ragged": r["ragged_arms"]["ragged"]}, r["ragged_reasons"]
         assert r["ragged_loss_err"] <= 2 * r["padded_loss_err"] + 1e-6  # within bf16 autocast's own error
-    assert line["summary"]["min_auto_vs_padded"] > 0
+    assert line["summary"]["bert-base"]["min_auto_vs_padded"] > 0
+
+
+def test_train_table_sft_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    line = smoke("train_table", tmp_path, "--models", "qwen2.5-0.5b")
+    (row,) = line["rows"]
+    assert all(row[f"{c}2"] > 0 for c in ("padded", "packed", "auto", "ragged"))
+    assert row["ragged_arms"] == {"ragged": row["ragged_arms"]["ragged"]}, row["ragged_reasons"]
+    assert row["packed_loss_diff"] < 1e-4 and row["ragged_loss_diff"] < 1e-4  # the same targets, the same loss
 
 
 def test_encode_smoke(tmp_path):

@@ -442,3 +442,21 @@ def test_run_job_sizes_bins_from_the_probe_and_takes_a_function(monkeypatch):
         list(run_job(model, [[5], [6, 7], []], progress=False))
     with pytest.raises(ValueError, match="wrap"):
         list(run_job(model_of("llama"), docs, progress=False))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_position_ids_are_attended_as_the_original_attends(use_cache, monkeypatch):
+    """Rows of several sequences with restarting position_ids and no mask (DataCollatorWithFlattening): without a
+    cache transformers attends within each sequence, and so does the ragged arm; with one (use_cache=True) it
+    attends across the row, and so does the ragged arm. Two rows, each packing sequences of its own."""
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("llama"), db=False, policy="ragged")
+    docs = ((5, 9, 2), (3, 13))
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": use_cache}
+    with torch.no_grad():
+        out = model(**kwargs)
+    want, want64 = originals(model, kwargs)
+    check_close(f"packed, use_cache={use_cache}", out.logits, want.logits, want64.logits)
+    assert last(model).arm == "ragged" and last(model).stats.batch == (5 if not use_cache else 2)

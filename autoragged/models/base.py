@@ -25,6 +25,7 @@ class Body:
     has_dropout:    training mode then runs padded, unless `trains`
     trains:         the ragged arm runs under autograd (the kernels' backward) and applies the hidden dropouts;
                     `train_reason` names what still keeps a training batch padded
+    follows_autocast: the ragged arm casts as autocast does (else a batch under autocast runs padded)
     fused:          the layers run as fused-encoder specs (so a graph's Triton linears can run them)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
@@ -43,6 +44,7 @@ class Body:
     head_dim = 0
     has_dropout = False
     trains = False
+    follows_autocast = False
     fused = False
     mask_graph = False
     first_column = False

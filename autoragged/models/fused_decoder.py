@@ -90,6 +90,8 @@ def _attention(attn, h, layout, kernel_config, cos, sin, sink, window) -> torch.
     if sink is not None:
         sink(attn, k[None].transpose(1, 2), v[None].transpose(1, 2))  # (1, Hkv, rows, Dh), as HF hands them
     extra = {} if window is None else {"window": (window - 1, 0)}
+    if attn.training and getattr(attn, "attention_dropout", 0.0):
+        extra["dropout"] = attn.attention_dropout
     out = ops.attention_values(q, k, v, layout, causal=True, scale=attn.scaling, config=kernel_config, **extra)
     return F.linear(out.reshape(rows, -1), attn.o_proj.weight, attn.o_proj.bias)
 

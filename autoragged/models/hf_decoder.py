@@ -39,8 +39,14 @@ runs packed with no padded tensor at all: the output's last_hidden_state (and hi
 RaggedTensors of that layout, and no KV cache is built. `autoragged.packing.run_job` feeds token-budget bins
 this way.
 
+The packed format (DataCollatorWithFlattening's: position_ids restarting within a row, no attention mask, no cache)
+runs each sequence as a component, as transformers' own packed path attends within each (`HFDecoderCall._init_packed`).
+
+Training: the fused families run the ragged arm under autograd (our kernels' backward; attention dropout in the
+kernel); the module path's families train padded, with the reason.
+
 Always padded, with the reason: attention logit softcapping (Gemma-2), head dims the kernel lacks,
-cross-attention, bidirectional-configured Gemma, attention dropout in training mode.
+cross-attention, bidirectional-configured Gemma.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
@@ -172,6 +179,7 @@ class HFDecoderBody(_hf.HFBody):
         self.static_reason = self._static_reason(module)
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
         self.unfused = self._unfused_reason(module)
+        self.trains = self.unfused is None  # (the module path's layers train padded for now)
         ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * self.d_model
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "unknown"
         first = self._list[0] if len(self._list) else None
@@ -271,12 +279,12 @@ class HFDecoderCall(_hf.HFCall):
     use_cache / an empty DynamicCache as past_key_values (the ragged arm fills the cache), and a RaggedTensor of
     token ids as input_ids."""
 
-    __slots__ = ("use_cache", "cache", "_flat", "ids")
+    __slots__ = ("use_cache", "cache", "_flat", "ids", "_packed")
     causal = True
     extra_inputs = ("past_key_values",)
 
     def __init__(self, body: HFDecoderBody, module, kwargs: dict, lengths):
-        self.use_cache, self.cache, self._flat = False, None, None
+        self.use_cache, self.cache, self._flat, self._packed = False, None, None, None
         ids = self.ids = kwargs.get("input_ids")
         if isinstance(ids, RaggedTensor):
             self._init_ragged(body, module, kwargs, lengths, ids)
@@ -289,6 +297,8 @@ class HFDecoderCall(_hf.HFCall):
         if self.reason is not None:
             return
         self.reason = self._decoder_reason(body)
+        if self.reason is None:
+            self._init_packed(lengths)
 
     def _decoder_reason(self, body) -> str | None:
         kwargs = self.kwargs
@@ -301,6 +311,29 @@ class HFDecoderCall(_hf.HFCall):
         ):  # fmt: skip
             return "position_ids is not a (B, L) or (1, L) tensor"
         return None
+
+    def _init_packed(self, lengths) -> None:
+        """The packed format (DataCollatorWithFlattening: position_ids restarting within a row, no attention mask, no
+        cache): transformers then attends within each sequence, split where the positions do not step by one
+        (masking_utils.find_packed_sequence_indices). The ragged arm runs those sequences as its components: the
+        rows' tokens are already back to back, so no gather. One device->host copy of position_ids."""
+        kwargs = self.kwargs
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None or self.kpm is not None or self.use_cache or kwargs.get("past_key_values") is not None:
+            return
+        B, L = self.B, self.L
+        positions = position_ids.expand(B, L).cpu().numpy()
+        starts = np.ones((B, L), dtype=bool)
+        starts[:, 1:] = np.diff(positions, axis=1) != 1
+        first = np.flatnonzero(starts)
+        if len(first) == B:  # one sequence a row: the call as it is
+            return
+        if lengths is not None:
+            raise ValueError("lengths= with packed position_ids (several sequences a row): the positions say where "
+                             "each sequence starts; pass one or the other")  # fmt: skip
+        self._packed = (B, L)
+        segments = tuple(np.diff(np.append(first, B * L)).tolist())
+        self.ragged_in = RaggedTensor(self.x.reshape(B * L, -1), Layout.make(segments))
 
     def _cache_reason(self, config) -> str | None:
         kwargs, module = self.kwargs, self.module
@@ -368,6 +401,9 @@ class HFDecoderCall(_hf.HFCall):
         table = self.kwargs.get("position_ids")
         if table is None:
             table = torch.arange(self.L, device=self.device)[None]
+        if self._packed is not None:  # the packed rows are the call's positions in order
+            flat = torch.arange(self.B * self.L, device=self.device)
+            return table, (flat % self.L if table.shape[0] == 1 else flat)
         flat = self._flat_rows(layout)
         index = flat % self.L if table.shape[0] == 1 else flat.clamp(max=self.B * self.L - 1)
         return table, index
@@ -397,6 +433,8 @@ class HFDecoderCall(_hf.HFCall):
 
     # -- arms ------------------------------------------------------------------------------------------------
     def padded(self, module, lens, stats):
+        if self._packed is not None:  # transformers' own packed path
+            return self.original(module)
         if self.ids is None:
             return super().padded(module, lens, stats)
         ids = self.ids  # a RaggedTensor input on the padded arm: pad it, run the original, pack its output
@@ -413,6 +451,10 @@ class HFDecoderCall(_hf.HFCall):
         return result if self.return_dict else result.to_tuple()
 
     def finish(self, y, hidden=None):
+        if self._packed is not None and isinstance(y, RaggedTensor):  # back to the call's (B, L) rows
+            B, L = self._packed
+            y = y.values.view(B, L, -1)
+            hidden = None if hidden is None else [h.view(B, L, -1) for h in hidden]
         return self.body.output(self, y, hidden)
 
 

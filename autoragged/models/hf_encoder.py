@@ -226,7 +226,8 @@ class HFEncoderBody(_hf.HFBody):
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
-        self.trains = self.fused  # (ModernBERT runs its own layer modules: no training path yet)
+        # (ModernBERT runs its own layer modules: no training path yet)
+        self.trains = self.follows_autocast = self.fused
         # a task head or pooler may read column 0 of the output, a pad in a left-padded row that the original
         # computes (a query over the row's real tokens): every ragged arm of the fused families computes it as a
         # query-only row of its own (`Layout.with_query_rows`, kernels/masked_pack.py), as the original does.

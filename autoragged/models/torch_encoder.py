@@ -99,7 +99,7 @@ class TorchEncoderBody(Body):
         self.sig = signature_of(module)
         self.d_model = self.sig.d_model
         self.head_dim = self.sig.d_model // max(self.sig.heads, 1)
-        self.fused = self.mask_graph = self.trains = True
+        self.fused = self.mask_graph = self.trains = self.follows_autocast = True
         self._layers_dict = _layer_dict(module)
         self._layer_count = len(self._layers_dict) if self._layers_dict is not None else 0
         # the layers as specs, re-made only when a parameter or module was (re-)registered

@@ -364,7 +364,7 @@ class Runtime:
             if reason is not None:
                 return reason
         if torch.is_autocast_enabled(call.device.type):
-            if not self.body.trains:
+            if not self.body.follows_autocast:
                 return "autocast"
             if p.dtype != torch.float32:
                 return f"autocast over {str(p.dtype)[6:]} parameters (the ragged arm's norms take float32 ones)"
