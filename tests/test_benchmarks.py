@@ -83,9 +83,8 @@ def test_train_table_sft_smoke(tmp_path):
     pytest.importorskip("transformers")
     line = smoke("train_table", tmp_path, "--models", "qwen2.5-0.5b")
     (row,) = line["rows"]
-    assert all(row[f"{c}2"] > 0 for c in ("padded", "packed", "auto", "ragged"))
-    assert row["ragged_arms"] == {"ragged": row["ragged_arms"]["ragged"]}, row["ragged_reasons"]
-    assert row["packed_loss_diff"] < 1e-4 and row["ragged_loss_diff"] < 1e-4  # the same targets, the same loss
+    assert all(row[f"{c}2"] > 0 for c in ("padded", "packed", "auto", "auto_packed"))
+    assert row["packed_loss_diff"] < 1e-4 and row["auto_packed_loss_diff"] < 1e-4  # the same targets, the same loss
 
 
 def test_encode_smoke(tmp_path):
