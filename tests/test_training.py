@@ -255,3 +255,98 @@ def test_the_packed_format_attends_within_each_sequence():
     model = _decoder("qwen2")
     _check_decoder(model, {"input_ids": ids, "position_ids": positions}, keep, "packed")
     assert autoragged.recent_decisions(model, 1)[-1].stats.batch == len(docs)
+
+
+def test_hf_trainer_runs_a_wrapped_model_unchanged(tmp_path):
+    """transformers' Trainer fine-tunes a wrapped model as it is: the same loss curve as the unwrapped model's from the
+    same seed (dropout off), every step on the ragged arm."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [int(n) for n in torch.randint(2, 12, (24,), generator=g)]
+    data = [{"input_ids": torch.randint(4, 100, (n,), generator=g).tolist(), "labels": i % 3} for i, n in
+            enumerate(lengths)]  # fmt: skip
+
+    def collate(samples):  # DataCollatorWithPadding's output, without a tokenizer
+        L = max(len(s["input_ids"]) for s in samples)
+        ids = torch.tensor([s["input_ids"] + [1] * (L - len(s["input_ids"])) for s in samples])
+        return {
+            "input_ids": ids,
+            "attention_mask": (ids != 1).long(),
+            "labels": torch.tensor([s["labels"] for s in samples]),
+        }
+
+    def losses(model, out):
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=4, per_device_train_batch_size=6,
+                                 learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                 save_strategy="no", dataloader_num_workers=0)  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    model = _model("bert", "AutoModelForSequenceClassification")
+    plain = copy.deepcopy(model)
+    autoragged.wrap(model, db=False, policy="ragged")
+    ours, want = losses(model, "wrapped"), losses(plain, "plain")
+    assert len(ours) == len(want) == 4
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+
+
+def test_a_decoder_of_autocast_dtype_trains_ragged_under_autocast():
+    """Parameters already of autocast's dtype (a model loaded in bf16, then autocast by a trainer): autocast changes
+    nothing the fused path computes, so the batch trains ragged; float32 parameters under autocast train padded."""
+    kwargs, keep = _batch("right")
+    model = _decoder("llama").to(torch.bfloat16)
+    plain, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    autoragged.wrap(model, db=False, policy="ragged")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ours = _grads(model, {**kwargs, "use_cache": False}, ("logits",), keep)
+        want_y, want = _grads(plain, {**kwargs, "use_cache": False}, ("logits",), keep)
+    y64, want64 = _grads(plain64, {**kwargs, "use_cache": False}, ("logits",), keep)
+    assert _arms(model)[-1][0] == "ragged", _arms(model)
+    assert_within_torch_error(y.float(), want_y.float(), y64, "bf16 autocast logits")
+    fp32 = autoragged.wrap(_decoder("llama"), db=False, policy="ragged")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32(**kwargs, use_cache=False)
+    assert _arms(fp32)[-1] == ("padded", "autocast to bfloat16 over float32 parameters (load the model in bfloat16)")
+
+
+def _tiny_tokenizer():
+    """A word-level tokenizer over the tiny models' 100 ids, built without downloads."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 100)}}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), pad_token="<pad>", eos_token="<eos>",
+        unk_token="<unk>",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_trl_sft_trainer_runs_a_wrapped_decoder_unchanged(padding_free, tmp_path):
+    """TRL's SFTTrainer on pre-tokenized documents, padded batches or padding-free rows (position_ids and the
+    flash-attention kwargs, no mask): the wrapped model's loss curve is the unwrapped one's, every step ragged."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(7)
+    rows = [{"input_ids": torch.randint(3, 100, (int(n),), generator=g).tolist()}
+            for n in torch.randint(3, 20, (24,), generator=g)]  # fmt: skip
+    data = datasets.Dataset.from_list(rows)
+
+    def losses(model, out):
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), max_steps=3, per_device_train_batch_size=6,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, bf16=False,
+                             save_strategy="no", padding_free=padding_free, max_length=None)  # fmt: skip
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tiny_tokenizer())
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    model = _decoder("qwen2")
+    plain = copy.deepcopy(model)
+    autoragged.wrap(model, db=False, policy="ragged")
+    ours, want = losses(model, "wrapped"), losses(plain, "plain")
+    assert len(ours) == len(want) == 3
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)

@@ -25,7 +25,6 @@ class Body:
     has_dropout:    training mode then runs padded, unless `trains`
     trains:         the ragged arm runs under autograd (the kernels' backward) and applies the hidden dropouts;
                     `train_reason` names what still keeps a training batch padded
-    follows_autocast: the ragged arm casts as autocast does (else a batch under autocast runs padded)
     fused:          the layers run as fused-encoder specs (so a graph's Triton linears can run them)
     mask_graph:     the ragged graph fed a mask may run (its linears stop at the rows the device counts)
     first_column:   the output's column 0 is read even where it is a pad (a first-token pooler): the graph
@@ -44,7 +43,6 @@ class Body:
     head_dim = 0
     has_dropout = False
     trains = False
-    follows_autocast = False
     fused = False
     mask_graph = False
     first_column = False
@@ -66,6 +64,10 @@ class Body:
         """The ragged arm on packed values x (rows, D) -> (rows, D); `hidden`, a list, gets each layer's
         output values (for `output_hidden_states`)."""
         raise NotImplementedError
+
+    def autocast_reason(self, dtype: torch.dtype, cast: torch.dtype) -> str | None:
+        """Why a batch under autocast (to `cast`) runs padded with parameters of `dtype`, or None."""
+        return "autocast"
 
     def train_reason(self, module: torch.nn.Module, grad: bool) -> str | None:
         """Why a batch in training mode (`module.training`) or under autograd (`grad`) runs padded, or None."""

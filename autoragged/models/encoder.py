@@ -32,6 +32,7 @@ __all__ = [
     "Dropouts",
     "encoder_values",
     "linear_config",
+    "autocast_reason",
     "FUSED_ACTIVATIONS",
 ]
 
@@ -104,6 +105,14 @@ def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layou
         h = spec.activation(h)
     h = _dropout(h, spec.dropout.ff_inner, training)
     return _dropout(linear_values(h, *spec.ff2, None, lin, live=live, rows=tiles), spec.dropout.ff_out, training)
+
+
+def autocast_reason(dtype: torch.dtype) -> str | None:
+    """Why the fused encoder cannot follow autocast with parameters of `dtype` (its add+LayerNorm takes the float32
+    parameters autocast's LayerNorm runs with), or None."""
+    if dtype != torch.float32:
+        return f"autocast over {str(dtype)[6:]} parameters (the ragged arm's norms take float32 ones)"
+    return None
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

@@ -255,7 +255,8 @@ def uninstall(module) -> None:
 
 # -- calls --------------------------------------------------------------------------------------------------
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
-_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "use_cache")
+# num_items_in_batch: the loss's token count (transformers' Trainer passes it down); the base model computes nothing
+_FLAGS = ("return_dict", "output_hidden_states", "output_attentions", "use_cache", "num_items_in_batch")
 
 
 class HFCall(Call):

@@ -168,6 +168,14 @@ class HFDecoderBody(_hf.HFBody):
     def __init__(self, module: PreTrainedModel):
         family = FAMILIES[module.config.model_type]
         super().__init__(module, family, family.layers(module))
+        # the ragged arm calls the embedding modules as the original does, on the padded ids: their hooks (e.g.
+        # `enable_input_require_grads`, which trainers register) run on either arm, so they need not keep it padded
+        called = {
+            id(m) for name in ("wte", "wpe", "drop") if hasattr(module, name) for m in getattr(module, name).modules()
+        }
+        called |= {id(m) for m in module.get_input_embeddings().modules()}
+        watched = [m for m in module.modules() if m is not module and id(m) not in called]
+        self._hook_dicts = [m._forward_hooks for m in watched] + [m._forward_pre_hooks for m in watched]
         config = module.config
         heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -189,6 +197,13 @@ class HFDecoderBody(_hf.HFBody):
             activation=str(act), norm_first=True, dtype=str(self.probe().dtype).replace("torch.", ""), bias=bias,
             final_norm=True,
         )  # fmt: skip
+
+    def autocast_reason(self, dtype, cast) -> str | None:
+        """Parameters of autocast's dtype compute as without it (the norms upcast by hand, rotary tables come in the
+        hidden state's dtype): the ragged arm runs as it would; other parameters run padded."""
+        if dtype != cast:
+            return f"autocast to {str(cast)[6:]} over {str(dtype)[6:]} parameters (load the model in {str(cast)[6:]})"
+        return None
 
     def _static_reason(self, module) -> str | None:
         family, config = self.family, module.config
@@ -281,7 +296,9 @@ class HFDecoderCall(_hf.HFCall):
 
     __slots__ = ("use_cache", "cache", "_flat", "ids", "_packed")
     causal = True
-    extra_inputs = ("past_key_values",)
+    # the flash-attention kwargs of a packed row and TRL's seq_idx (DataCollatorWithFlattening, padding_free): they say
+    # what its position_ids say, and sdpa reads the position_ids; so does `_init_packed`
+    extra_inputs = ("past_key_values", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
     def __init__(self, body: HFDecoderBody, module, kwargs: dict, lengths):
         self.use_cache, self.cache, self._flat, self._packed = False, None, None, None

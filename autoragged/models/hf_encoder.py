@@ -42,7 +42,7 @@ from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
 from .base import EpochCache
-from .encoder import Dropouts, EncoderLayerSpec, encoder_values
+from .encoder import Dropouts, EncoderLayerSpec, autocast_reason, encoder_values
 from .qkv import FusedQKV, unfuse
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -227,7 +227,7 @@ class HFEncoderBody(_hf.HFBody):
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
         # (ModernBERT runs its own layer modules: no training path yet)
-        self.trains = self.follows_autocast = self.fused
+        self.trains = self.fused
         # a task head or pooler may read column 0 of the output, a pad in a left-padded row that the original
         # computes (a query over the row's real tokens): every ragged arm of the fused families computes it as a
         # query-only row of its own (`Layout.with_query_rows`, kernels/masked_pack.py), as the original does.
@@ -252,6 +252,9 @@ class HFEncoderBody(_hf.HFBody):
         # one q/k/v product per layer: the three parameters become views of one buffer (qkv.py)
         fusable = family.qkv is not None and family.layers is not None and self.static_reason is None
         self._qkv = FusedQKV(family.qkv(module)) if fusable else None
+
+    def autocast_reason(self, dtype, cast):
+        return autocast_reason(dtype) if self.fused else "autocast"
 
     def _make_specs(self):
         return self.family.layers(self.module) if self.family.layers is not None else None

@@ -19,7 +19,7 @@ from ..nn import activation_kind, encoder_specs, support_error
 from ..ragged.tensor import RaggedTensor, pad_mask, padded_from_ragged, ragged_from_padded, zero_pads
 from ..tuning_db import ModuleSignature
 from .base import Body, Call, EpochCache
-from .encoder import encoder_values
+from .encoder import autocast_reason, encoder_values
 
 __all__ = ["DispatchingTransformerEncoder", "DispatchingTransformerEncoderLayer", "signature_of", "ADAPTER"]
 
@@ -99,7 +99,7 @@ class TorchEncoderBody(Body):
         self.sig = signature_of(module)
         self.d_model = self.sig.d_model
         self.head_dim = self.sig.d_model // max(self.sig.heads, 1)
-        self.fused = self.mask_graph = self.trains = self.follows_autocast = True
+        self.fused = self.mask_graph = self.trains = True
         self._layers_dict = _layer_dict(module)
         self._layer_count = len(self._layers_dict) if self._layers_dict is not None else 0
         # the layers as specs, re-made only when a parameter or module was (re-)registered
@@ -107,6 +107,9 @@ class TorchEncoderBody(Body):
 
     def probe(self) -> torch.Tensor:
         return self.layers[0].linear1.weight
+
+    def autocast_reason(self, dtype, cast):
+        return autocast_reason(dtype)
 
     def values(self, x, layout, config, causal, hidden=None):
         return encoder_values(*self._specs.get(), x, layout, config, causal, hidden, self.module.training)

@@ -364,10 +364,9 @@ class Runtime:
             if reason is not None:
                 return reason
         if torch.is_autocast_enabled(call.device.type):
-            if not self.body.follows_autocast:
-                return "autocast"
-            if p.dtype != torch.float32:
-                return f"autocast over {str(p.dtype)[6:]} parameters (the ragged arm's norms take float32 ones)"
+            reason = self.body.autocast_reason(p.dtype, torch.get_autocast_dtype(call.device.type))
+            if reason is not None:
+                return reason
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return "global forward hooks"
         if self.body.hooked():
