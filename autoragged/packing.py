@@ -13,7 +13,8 @@ for epoch in range(epochs):
         y = wrapped(rt.to("cuda"))
 ```
 
-Whole jobs on a wrapped HF decoder LLM (scoring, classification, embedding), one call:
+Whole jobs on a wrapped HF decoder LLM or encoder (scoring, classification, embedding), one call, on one
+process or over the ranks of torchrun (autoragged/job.py):
 
 ```python
 model = autoragged.wrap(AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda())
@@ -55,6 +56,7 @@ __all__ = [
     "length_sorted_batches",
     "run_job",
     "token_budget",
+    "read_shards",
 ]
 
 logger = logging.getLogger("autoragged")
@@ -507,4 +509,4 @@ def length_sorted_batches(lengths: Sequence[int] | np.ndarray | torch.Tensor, ba
     return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
 
 
-from .job import run_job, token_budget  # noqa: E402  (the job uses the packing above)
+from .job import read_shards, run_job, token_budget  # noqa: E402  (the job uses the packing above)

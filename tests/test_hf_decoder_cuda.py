@@ -4,7 +4,6 @@ dtype and in float64; the KV cache of the plain call; the token-budget job, whos
 
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from _tolerance import assert_within_torch_error  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 import autoragged  # noqa: E402
-from autoragged.job import _run_bin, _Staged, _wrapped_decoder  # noqa: E402
+from autoragged.job import _prepare, _run_bin, _Staged  # noqa: E402
 from autoragged.measure import ArmRunner  # noqa: E402
 from autoragged.packing import run_job  # noqa: E402
 from autoragged.planning.costmodel import Arm  # noqa: E402
@@ -99,19 +98,15 @@ def test_run_job_matches_each_document_alone_and_its_bins_never_sync():
         with torch.inference_mode():
             want, want64 = plain(ids).logits[0, -1], plain64(ids).logits[0, -1]
         assert_within_torch_error(got[i].cuda(), want, want64, f"document {i}")
-    base, runtime = _wrapped_decoder(wrapped)
-    flat = np.concatenate([np.asarray(d) for d in docs])
-    lengths = np.array([len(d) for d in docs])
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    staged = _Staged(flat, starts, lengths, range(len(docs)), 1, torch.device("cuda"))
-    head = wrapped.get_output_embeddings()
-    _run_bin(base, runtime, head, "last_logits", staged.ids)  # warm
+    job, documents = _prepare(wrapped, docs, "last_logits", 1)
+    staged = _Staged(documents, range(len(docs)), job)
+    _run_bin(job, staged)  # warm
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _run_bin(base, runtime, head, "last_logits", staged.ids)
+            _run_bin(job, staged)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not [w for w in caught if "synchroniz" in str(w.message)]
