@@ -16,8 +16,12 @@ Key tiles wholly outside a block's window are never visited (a block of BLOCK_M 
 `window_from_hf` turns a transformers `config.sliding_window` into (left, right); see its docstring.
 GQA and windows are constexpr features: with Hkv = H and no window, the plain and causal kernels' PTX
 instructions equal those of a kernel without them, on sm_90a (benchmarks/diagnostics/attention_ptx.py); only
-two unused int arguments are added. Query-only rows (`key_lengths`) are a constexpr feature too: off, the
-kernel takes one more pointer and never reads it.
+two unused int arguments are added (measured before the training features below). Query-only rows
+(`key_lengths`) are a constexpr feature too: off, the kernel takes one more pointer and never reads it.
+
+Training (kernels/ragged_attention_backward.py) adds two more constexpr features, off for inference: `STORE_LSE`
+writes each real row's log2-sum-exp2 for the backward, `DROPOUT` drops probabilities with `keep_mask` (one Philox
+stream per component and head, so the backward redraws the same mask). Off, they add a pointer and two scalars.
 
 Shape contracts
     q:              (T, H, Dh) values of one layout; any strides on T and H, stride 1 on Dh
