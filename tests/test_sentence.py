@@ -214,3 +214,23 @@ def test_an_instance_attribute_the_input_module_had_is_called_and_put_back(tmp_p
     assert _sentence._KEY in model.preprocess(SENTENCES[:2]) and calls == [1]
     autoragged.unwrap(model)
     assert model[0].__dict__["preprocess"] is patched
+
+
+def test_the_multi_process_pool_runs_a_wrapped_model(tmp_path):
+    """sentence-transformers' pool (`start_multi_process_pool`, `encode(pool=...)`) pickles the wrapped model to each
+    worker process: each binds its copy anew on its first call, and the embeddings are the unwrapped model's."""
+    model = sentence_model(tmp_path)
+    want = model.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    autoragged.wrap(model, db=False, policy="ragged")
+    pool = model.start_multi_process_pool(["cpu", "cpu"])
+    try:
+        got = model.encode(SENTENCES, pool=pool, convert_to_tensor=True, batch_size=4, chunk_size=4)
+    finally:
+        model.stop_multi_process_pool(pool)
+    torch.testing.assert_close(torch.as_tensor(got), want, rtol=1e-5, atol=1e-5)
+    # what a worker receives: the pickled model, still wrapped, running the ragged arm
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(model))
+    copy.encode(SENTENCES[:4], batch_size=4)
+    assert [d.arm for d in autoragged.recent_decisions(copy, 1)] == ["ragged"]
