@@ -200,6 +200,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     each epoch, as with `DistributedSampler`): the order changes, the bins' contents never do. Iteration
     is deterministic for a given (lengths, max_tokens, align, shuffle, seed, epoch). Oversize sequences
     warn once, here, when the bins are packed.
+
+    Distributed (`num_replicas` > 1, or a torch.distributed process group initialised): every rank packs the same
+    bins, sorts them by tokens and deals them out a step at a time, `num_replicas` bins of neighbouring sizes to a
+    step, one to each rank (rank `rank` takes the step's `rank`-th). Every rank runs the same number of steps
+    (len(sampler), the bins over the ranks rounded up: the last step repeats the first bins, as `DistributedSampler`
+    repeats samples) and, within a step, ranks' budgets differ by at most two neighbouring bins' sizes: no rank waits
+    long in the gradient all-reduce. Shuffling permutes the steps, the same way on every rank.
     """
 
     def __init__(
@@ -209,6 +216,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         align: int = 16,
         shuffle: bool = False,
         seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ):
         super().__init__()
         if not isinstance(shuffle, bool):
@@ -221,6 +230,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.seed = int(seed)
         self.epoch = 0
         self._bins = _ffd_pack(lengths, max_tokens, align, stacklevel=3)
+        self.num_replicas, self.rank = _replicas(num_replicas, rank)
+        self._steps = _deal(self._bins, _host_lengths(lengths), align, self.num_replicas)
 
     @property
     def bins(self) -> list[list[int]]:
@@ -234,17 +245,48 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return len(self._bins)
+        return len(self._steps)
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self._bins), generator=g).tolist()
+            order = torch.randperm(len(self._steps), generator=g).tolist()
         else:
-            order = range(len(self._bins))
+            order = range(len(self._steps))
         for j in order:
-            yield list(self._bins[j])
+            yield list(self._bins[self._steps[j][self.rank]])
+
+
+def _replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(ranks, this rank): as given, else the initialised process group's, else (1, 0)."""
+    if num_replicas is None:
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        num_replicas = dist.get_world_size() if initialised else 1
+        rank = (dist.get_rank() if initialised else 0) if rank is None else rank
+    rank = 0 if rank is None else rank
+    for name, value in (("num_replicas", num_replicas), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be in [0, num_replicas) and num_replicas >= 1, got rank={rank}, "
+                         f"num_replicas={num_replicas}")  # fmt: skip
+    return int(num_replicas), int(rank)
+
+
+def _deal(bins: list[list[int]], lengths: np.ndarray, align: int, world: int) -> list[list[int]]:
+    """Steps of `world` bin indices each (one a rank), bins of neighbouring token counts together; with one rank,
+    each bin its own step in FFD order."""
+    if world == 1:
+        return [[i] for i in range(len(bins))]
+    if not bins:
+        return []
+    tokens = [int(_aligned(lengths[np.asarray(b, dtype=np.int64)], align).sum()) for b in bins]
+    order = sorted(range(len(bins)), key=lambda i: (-tokens[i], i))
+    order += [order[i % len(order)] for i in range(-len(order) % world)]  # the last step repeats the first bins
+    return [order[k : k + world] for k in range(0, len(order), world)]
 
 
 # -- collate ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import gc
 import logging
 import warnings
 import weakref
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -457,3 +458,39 @@ def test_ffd_ragged_beats_sorted_beats_fixed_on_bimodal_lengths():
     fixed = padding_overhead(fixed_size_batches(n, batch_size), lengths)
     assert 0.0 < ffd < by_length < fixed
     assert ffd < 0.01 and by_length > 0.05 and fixed > 0.5
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_distributed_sampler_gives_every_rank_the_same_steps_of_balanced_budgets(world):
+    """Every rank the same number of steps; together they cover every sequence (the last step repeating the first
+    bins); within a step the ranks' tokens differ by at most the step's largest bin; shuffling permutes steps alike."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 200, size=301).tolist()
+    samplers = [TokenBudgetBatchSampler(lengths, 512, align=8, shuffle=True, seed=5, num_replicas=world, rank=r)
+                for r in range(world)]  # fmt: skip
+    for s in samplers:
+        s.set_epoch(2)
+    steps = [list(s) for s in samplers]
+    assert len({len(s) for s in samplers}) == 1 and all(len(st) == len(samplers[0]) for st in steps)
+    assert len(samplers[0]) == -(-len(samplers[0].bins) // world)
+    covered = {i for st in steps for b in st for i in b}
+    assert covered == set(range(len(lengths)))
+    aligned = lambda b: sum(-(-lengths[i] // 8) * 8 for i in b)  # noqa: E731
+    # steps hold bins of neighbouring sizes: their budget ranges add up to at most the range of all the bins (a
+    # random deal of the same bins would not; the step that repeats bins to fill up is left out)
+    seen = Counter(tuple(b) for st in steps for b in st)
+    dealt = [step for step in zip(*steps) if all(seen[tuple(b)] == 1 for b in step)]
+    assert len(dealt) >= len(steps[0]) - 2  # (the repeated bins' own step, and the one that repeats them)
+    spans = [max(aligned(b) for b in step) - min(aligned(b) for b in step) for step in dealt]
+    every = [aligned(b) for b in samplers[0].bins]
+    assert sum(spans) <= max(every) - min(every), (spans, max(every), min(every))
+    alone = TokenBudgetBatchSampler(lengths, 512, align=8, shuffle=True, seed=5)
+    alone.set_epoch(2)
+    assert len(alone) == len(alone.bins) and sorted(map(tuple, alone)) == sorted(map(tuple, alone.bins))
+
+
+def test_a_sampler_with_fewer_bins_than_ranks_repeats_them():
+    samplers = [TokenBudgetBatchSampler([5, 3], 64, align=1, num_replicas=4, rank=r) for r in range(4)]
+    assert [list(s) for s in samplers] == [[[0, 1]]] * 4
+    with pytest.raises(ValueError, match="rank must be in"):
+        TokenBudgetBatchSampler([5], 64, num_replicas=2, rank=2)
