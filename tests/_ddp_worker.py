@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autoragged
 from autoragged.packing import TokenBudgetBatchSampler
+from autoragged.runtime.recorder import RECORDER
 
 STEPS_LR = 0.5
 BUDGET = 64
@@ -48,7 +49,7 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ids, lengths, labels = data()
-    net = autoragged.wrap(model(), db=False, policy="ragged")
+    net = autoragged.wrap(model(), policy="ragged")  # every rank records into one database ($AUTORAGGED_DB)
     ddp = DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=STEPS_LR)
     sampler = TokenBudgetBatchSampler(lengths, BUDGET, align=1)  # num_replicas and rank from the process group
@@ -61,6 +62,7 @@ def main(out: Path) -> None:
         opt.step()
         opt.zero_grad()
     arms = sorted({d.arm for d in autoragged.recent_decisions(net, 100)})
+    RECORDER.flush()
     torch.save({"arms": arms, "steps": len(sampler)}, out / f"rank{rank}.pt")
     if rank == 0:
         torch.save({k: v.detach() for k, v in net.state_dict().items()}, out / "params.pt")

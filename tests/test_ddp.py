@@ -1,6 +1,7 @@
 """DistributedDataParallel(autoragged.wrap(model)) under `torchrun --nproc-per-node 2` on the CPU (gloo): each rank
 its token-balanced share of every step (the distributed `TokenBudgetBatchSampler`), every step on the ragged arm,
-and the trained parameters equal one process's training on the same global batches."""
+both ranks' decisions recorded into one tuning database, and the trained parameters equal one process's training on
+the same global batches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 
 import _ddp_worker as worker  # noqa: E402
 from _torchrun import ROOT, torchrun  # noqa: E402
+from autoragged.tuning_db import TuningDB  # noqa: E402
 
 from autoragged.packing import TokenBudgetBatchSampler  # noqa: E402
 
@@ -21,6 +23,9 @@ def test_ddp_of_a_wrapped_model_trains_as_one_process_on_the_global_batch(tmp_pa
     torchrun(str(ROOT / "tests" / "_ddp_worker.py"), str(tmp_path), db=tmp_path / "tuning.sqlite")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0]["steps"] == ranks[1]["steps"] > 1 and all(r["arms"] == ["ragged"] for r in ranks)
+    # both ranks recorded into the one database, nothing lost
+    decisions = TuningDB.open(tmp_path / "tuning.sqlite", readonly=True).decisions()
+    assert len(decisions) == 2 * ranks[0]["steps"]
     trained = torch.load(tmp_path / "params.pt")
 
     ids, lengths, labels = worker.data()
