@@ -38,7 +38,9 @@ def _grads(fn, inputs, upstream):
     return out.detach(), [t.grad.double() for t in leaves]
 
 
-def _check(lens, *, heads=4, kv_heads=2, head_dim=32, causal=False, window=(-1, -1), keys=None, dtype=torch.float32):
+def _assert_gradients_match_fp64(
+    lens, *, heads=4, kv_heads=2, head_dim=32, causal=False, window=(-1, -1), keys=None, dtype=torch.float32
+):
     layout = Layout.make(tuple(lens))
     T = layout.rows
     q = torch.randn(T, heads, head_dim, dtype=torch.float64)
@@ -72,28 +74,28 @@ def _check(lens, *, heads=4, kv_heads=2, head_dim=32, causal=False, window=(-1, 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_backward_matches_fp64(causal, dtype):
-    _check([5, 17, 1, 70, 33], causal=causal, dtype=dtype)
+    _assert_gradients_match_fp64([5, 17, 1, 70, 33], causal=causal, dtype=dtype)
 
 
 @pytest.mark.parametrize("window,causal", [((3, 5), False), ((6, -1), True), ((0, 2), False), ((40, -1), False)])
 def test_attention_backward_windows(window, causal):
-    _check([5, 17, 1, 70], window=window, causal=causal, kv_heads=4)
+    _assert_gradients_match_fp64([5, 17, 1, 70], window=window, causal=causal, kv_heads=4)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_attention_backward_grouped_query(kv_heads):
     """k and v of fewer heads: their gradients sum over each group's query heads, with no repeated copy."""
-    _check([9, 33, 2], kv_heads=kv_heads, causal=True)
+    _assert_gradients_match_fp64([9, 33, 2], kv_heads=kv_heads, causal=True)
 
 
 def test_attention_backward_query_only_rows():
     """Rows past a component's keys (a first-token pooler's column 0 of a left-padded row) are queries only."""
-    _check([5, 17, 2, 40], keys=[4, 17, 1, 39])
+    _assert_gradients_match_fp64([5, 17, 2, 40], keys=[4, 17, 1, 39])
 
 
 @pytest.mark.parametrize("head_dim", [80, 128])
 def test_attention_backward_head_dims(head_dim):
-    _check([3, 20], head_dim=head_dim, heads=2, kv_heads=1, causal=True)
+    _assert_gradients_match_fp64([3, 20], head_dim=head_dim, heads=2, kv_heads=1, causal=True)
 
 
 def test_attention_backward_aligned_layout_and_views():

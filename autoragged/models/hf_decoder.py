@@ -333,7 +333,9 @@ class HFDecoderCall(_hf.HFCall):
         """The packed format (DataCollatorWithFlattening: position_ids restarting within a row, no attention mask, no
         cache): transformers then attends within each sequence, split where the positions do not step by one
         (masking_utils.find_packed_sequence_indices). The ragged arm runs those sequences as its components: the
-        rows' tokens are already back to back, so no gather. One device->host copy of position_ids."""
+        rows' tokens are already back to back, so no gather. One device->host copy of position_ids, on every call
+        with position_ids and neither mask nor cache: transformers' own check (`.all()` on the device) syncs there
+        too, and a decoder's call reads its mask's lengths anyway when it has one."""
         kwargs = self.kwargs
         position_ids = kwargs.get("position_ids")
         if position_ids is None or self.kpm is not None or self.use_cache or kwargs.get("past_key_values") is not None:
