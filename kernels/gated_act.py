@@ -119,6 +119,7 @@ class SiluMulFunction(torch.autograd.Function):
         return silu_mul(gate, up, inplace=False)
 
     @staticmethod
+    @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         return silu_mul_backward(dy, gate, up)

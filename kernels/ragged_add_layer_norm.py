@@ -296,6 +296,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return out, total
 
     @staticmethod
+    @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy, dsum):
         x, residual, weight, bias = ctx.saved_tensors
         dx, dr, dw, db = add_layer_norm_backward(dy, dsum, x, residual, weight, bias, ctx.eps)

@@ -284,6 +284,7 @@ class _RaggedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ragged_attention_backward(dout, q, k, v, out, lse, ctx.problem)

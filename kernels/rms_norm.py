@@ -210,6 +210,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         return out, total
 
     @staticmethod
+    @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy, dsum):
         x, residual, weight = ctx.saved_tensors
         dx, dr, dw = add_rms_norm_backward(dy, dsum, x, residual, weight, ctx.eps)

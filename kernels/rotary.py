@@ -123,6 +123,7 @@ class RotaryFunction(torch.autograd.Function):
         return rotary(x, cos, sin)
 
     @staticmethod
+    @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
         return rotary_backward(dy, cos, sin), None, None

@@ -34,3 +34,12 @@ def assert_within_torch_error(
     e_torch = max_err(torch_same_dtype, ref64)
     assert e_ours <= 2 * e_torch + slack, f"{what}: error {e_ours:.3e} > 2 x torch's {e_torch:.3e} + {slack:.1e}"
     return e_ours, e_torch
+
+
+def assert_gradients_within(ours: dict, want: dict, want64: dict, what: str) -> None:
+    """Each named gradient of `ours` within 2x `want`'s error against `want64` (the same names in each), on the
+    scale of the largest reference gradient."""
+    assert ours.keys() == want.keys(), f"{what}: gradients of {sorted(set(want) ^ set(ours))} differ in presence"
+    largest = max(g.abs().max().item() for g in want64.values())
+    for name in want:
+        assert_within_torch_error(ours[name], want[name], want64[name], f"{what} d{name}", largest)

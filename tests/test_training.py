@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from _tolerance import assert_within_torch_error
+from _tolerance import assert_gradients_within, assert_within_torch_error
 from conftest import triton_available
 from torch import nn
 
@@ -95,10 +95,7 @@ def _check_training(model, kwargs, keep, fields, what):
     want_y, want = _grads(plain, kwargs, fields, keep)
     y64, want64 = _grads(plain64, kwargs, fields, keep)
     assert_within_torch_error(y, want_y, y64, f"{what} outputs")
-    assert ours.keys() == want.keys(), f"{what}: gradients of {sorted(set(want) ^ set(ours))} differ in presence"
-    largest = max(g.abs().max().item() for g in want64.values())
-    for name in want:
-        assert_within_torch_error(ours[name], want[name], want64[name], f"{what} d{name}", largest)
+    assert_gradients_within(ours, want, want64, what)
     return model
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels._config import KernelConfig
 from ..ops import add_layer_norm_values, attention_values, linear_values
@@ -38,7 +39,8 @@ __all__ = [
 
 FUSED_ACTIVATIONS = ("relu", "gelu")  # in the linear's epilogue; "gelu" is the exact (erf) one
 
-Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight (N, K), bias (N,) or None)
+# (weight (N, K), bias (N,) or None), or a module run as itself on the rows (a peft adapter's linear: _modules.py)
+Linear = tuple[torch.Tensor, torch.Tensor | None] | nn.Module
 Norm = tuple[torch.Tensor | None, torch.Tensor | None, float]  # (weight, bias, eps) of a LayerNorm
 
 
@@ -72,6 +74,15 @@ class EncoderLayerSpec:
 
 
 _CUBLAS = KernelConfig(backend="cublas")
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # FUSED_ACTIVATIONS, for a linear run as its module
+
+
+def _linear(x: torch.Tensor, linear: Linear, activation: str | None, config, live, rows) -> torch.Tensor:
+    """act(x @ weight.T + bias) of a `Linear` on values x (T, K) -> (T, N); a module computes every row."""
+    if isinstance(linear, nn.Module):
+        y = linear(x)
+        return y if activation is None else _ACTIVATIONS[activation](y)
+    return linear_values(x, *linear, activation, config, live=live, rows=rows)
 
 
 def linear_config(config: KernelConfig | None) -> KernelConfig | None:
@@ -86,25 +97,23 @@ def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, 
     H = spec.heads
     lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     if len(spec.qkv) == 1:
-        qkv = linear_values(x, *spec.qkv[0], None, lin, live=live, rows=tiles)
+        qkv = _linear(x, spec.qkv[0], None, lin, live, tiles)
         q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     else:
-        q, k, v = (linear_values(x, w, b, None, lin, live=live, rows=tiles).view(rows, H, D // H) for w, b in spec.qkv)
+        q, k, v = (_linear(x, linear, None, lin, live, tiles).view(rows, H, D // H) for linear in spec.qkv)
     drop = spec.dropout.probs if training else 0.0
     a = attention_values(q, k, v, layout, causal=causal, scale=spec.scale, config=config, dropout=drop)
-    return _dropout(
-        linear_values(a.view(rows, D), *spec.out, None, lin, live=live, rows=tiles), spec.dropout.attn_out, training
-    )
+    return _dropout(_linear(a.view(rows, D), spec.out, None, lin, live, tiles), spec.dropout.attn_out, training)
 
 
 def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layout, training: bool) -> torch.Tensor:
     lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     fused = spec.activation if isinstance(spec.activation, str) else None
-    h = linear_values(x, *spec.ff1, fused, lin, live=live, rows=tiles)
+    h = _linear(x, spec.ff1, fused, lin, live, tiles)
     if fused is None:
         h = spec.activation(h)
     h = _dropout(h, spec.dropout.ff_inner, training)
-    return _dropout(linear_values(h, *spec.ff2, None, lin, live=live, rows=tiles), spec.dropout.ff_out, training)
+    return _dropout(_linear(h, spec.ff2, None, lin, live, tiles), spec.dropout.ff_out, training)
 
 
 def autocast_reason(dtype: torch.dtype) -> str | None:

@@ -17,11 +17,14 @@ HF's modules round (see each kernel's docstring), so the output is the module pa
 tests hold both to the original model.
 
 Only layers whose every part is one of the known modules take this path (`why_not` says why not); the rest
-run the model's own modules with our attention through transformers' attention interface.
+run the model's own modules with our attention through transformers' attention interface. A peft adapter layer
+(LoRA) in a linear's place runs as its own module, and HF's gradient checkpointing checkpoints each layer here as
+the model's own layers would (_modules.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ._modules import adapted_linear, layer_checkpoint
 
 __all__ = ["why_not", "run", "DecoderStack"]
 
@@ -59,7 +63,7 @@ def why_not(layers, final_norm, config, dtype) -> str | None:
         parts = [(f"self_attn.{p}", getattr(attn, p, None)) for p in _ATTENTION]
         parts += [(f"mlp.{p}", getattr(mlp, p, None)) for p in _MLP]
         for name, part in parts:
-            if type(part) is not nn.Linear:
+            if type(part) is not nn.Linear and not adapted_linear(part):
                 return f"layer {i}: {name} is not an nn.Linear"
         names = ["input_layernorm", "post_attention_layernorm"]
         norms = [(n, getattr(layer, n, None)) for n in names]
@@ -78,11 +82,16 @@ def _head_norm(t: torch.Tensor, norm) -> torch.Tensor:
     return ops.add_rms_norm_values(t.reshape(-1, dh), None, norm.weight, norm.variance_epsilon)[0].view(rows, heads, dh)
 
 
+def _linear(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear's product on the packed rows; a peft adapter layer runs as itself (_modules.py)."""
+    return F.linear(h, linear.weight, linear.bias) if type(linear) is nn.Linear else linear(h)
+
+
 def _attention(attn, h, layout, kernel_config, cos, sin, sink, window) -> torch.Tensor:
     rows, dh = h.shape[0], attn.head_dim
-    q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, -1, dh)
-    k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, -1, dh)
-    v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(rows, -1, dh)
+    q = _linear(attn.q_proj, h).view(rows, -1, dh)
+    k = _linear(attn.k_proj, h).view(rows, -1, dh)
+    v = _linear(attn.v_proj, h).view(rows, -1, dh)
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:  # Qwen3: RMSNorm over each head's dim, before rotary
         q, k = (_head_norm(t, norm) for t, norm in ((q, q_norm), (k, attn.k_norm)))
@@ -93,13 +102,28 @@ def _attention(attn, h, layout, kernel_config, cos, sin, sink, window) -> torch.
     if attn.training and getattr(attn, "attention_dropout", 0.0):
         extra["dropout"] = attn.attention_dropout
     out = ops.attention_values(q, k, v, layout, causal=True, scale=attn.scaling, config=kernel_config, **extra)
-    return F.linear(out.reshape(rows, -1), attn.o_proj.weight, attn.o_proj.bias)
+    return _linear(attn.o_proj, out.reshape(rows, -1))
 
 
 def _mlp(mlp, h) -> torch.Tensor:
-    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return F.linear(ops.silu_mul_values(gate, up), mlp.down_proj.weight, mlp.down_proj.bias)
+    gate, up = _linear(mlp.gate_proj, h), _linear(mlp.up_proj, h)
+    return _linear(mlp.down_proj, ops.silu_mul_values(gate, up))
+
+
+def _layer(layer, branch, residual, layout, kernel_config, cos, sin, sink, window):
+    """One layer on the previous layer's MLP branch and the residual stream it adds to (None before the first layer,
+    whose input is `branch`) -> (their sum, the previous layer's output, or None for the first layer; the residual
+    stream after this layer's attention; this layer's MLP branch)."""
+    norm = layer.input_layernorm
+    h, total = ops.add_rms_norm_values(branch, residual, norm.weight, norm.variance_epsilon, store_sum=True)
+    if residual is None:
+        total, stream = None, branch
+    else:
+        stream = total
+    branch = _attention(layer.self_attn, h, layout, kernel_config, cos, sin, sink, window)
+    norm = layer.post_attention_layernorm
+    h, residual = ops.add_rms_norm_values(branch, stream, norm.weight, norm.variance_epsilon, store_sum=True)
+    return total, residual, _mlp(layer.mlp, h)
 
 
 class DecoderStack(NamedTuple):
@@ -126,19 +150,15 @@ def run(
     cos, sin = (t[0] for t in position_embeddings)
     residual, branch = None, x
     for layer in layers:
-        norm = layer.input_layernorm
-        h, total = ops.add_rms_norm_values(branch, residual, norm.weight, norm.variance_epsilon, store_sum=True)
-        if residual is not None:  # the previous layer's output: its residual plus its MLP branch
-            residual = total
-            if hidden is not None:
-                hidden.append(residual)
-        else:
-            residual = x
         attn = layer.self_attn
-        branch = _attention(attn, h, layout, kernel_config, cos, sin, sink, window_of(attn))
-        norm = layer.post_attention_layernorm
-        h, residual = ops.add_rms_norm_values(branch, residual, norm.weight, norm.variance_epsilon, store_sum=True)
-        branch = _mlp(layer.mlp, h)
+        run = functools.partial(_layer, layer, layout=layout, kernel_config=kernel_config, cos=cos, sin=sin,
+                                sink=sink, window=window_of(attn))  # fmt: skip
+        # HF's gradient checkpointing, where it applies (a call that fills a KV cache is not recomputed: the
+        # recompute would fill it twice)
+        checkpoint = layer_checkpoint(layer) if sink is None else None
+        total, residual, branch = run(branch, residual) if checkpoint is None else checkpoint(run, branch, residual)
+        if total is not None and hidden is not None:  # the previous layer's output
+            hidden.append(total)
     if residual is None:  # no layers
         return ops.add_rms_norm_values(x, None, final_norm.weight, final_norm.variance_epsilon)[0]
     y, residual = ops.add_rms_norm_values(

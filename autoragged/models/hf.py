@@ -6,7 +6,9 @@ Dispatch: a wrapped base model (`BertModel`, the `bert` inside `BertForSequenceC
 `auto_model` inside a SentenceTransformer) gets an instance attribute `forward` (class, `state_dict`,
 `save_pretrained` and transformers' per-class output capturing unchanged); `uninstall` deletes it. Its
 `__signature__` is the model's own plus `lengths=`, so callers that read the signature (sentence-transformers
-filters its features by it) see the same parameters.
+filters its features by it) see the same parameters. Under `torch.compile` the wrapped forward runs eagerly (a
+graph break; the rest of the step compiles): its dispatch reads each batch's lengths on the host, and traced, every
+new batch compiled anew (1 to 14 s a batch for a two-layer BERT's training step on a CPU).
 
 Attention: our varlen kernel is registered as "autoragged" (a name with neither "flash" nor "/": those make
 transformers take other paths). A body that runs the model's own layer modules on packed rows switches its
@@ -223,6 +225,7 @@ class _Forward:
         head = [p for p in parameters if p.kind != inspect.Parameter.VAR_KEYWORD]
         self.__signature__ = sig.replace(parameters=[*head, lengths, *tail])
 
+    @torch.compiler.disable  # (the module docstring says why)
     def __call__(self, *args, lengths=None, **kwargs):
         module = self.module
         runtime = module._autoragged.ready(module)

@@ -28,6 +28,7 @@ attention): wrapped, they always run padded, with that reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
+from ._modules import adapted_linear, layer_checkpoint
 from .base import EpochCache
 from .encoder import Dropouts, EncoderLayerSpec, autocast_reason, encoder_values
 from .qkv import FusedQKV, unfuse
@@ -54,8 +56,9 @@ def _ln(norm: nn.LayerNorm):
     return norm.weight, norm.bias, norm.eps
 
 
-def _lin(linear: nn.Linear):
-    return linear.weight, linear.bias
+def _lin(linear: nn.Module):
+    """A spec's linear: the weights of an nn.Linear; a peft adapter layer runs as itself (_modules.py)."""
+    return linear if adapted_linear(linear) else (linear.weight, linear.bias)
 
 
 def _activation(fn):
@@ -147,6 +150,18 @@ def _distilbert_embed(base, kw):
     return base.embeddings(kw.get("input_ids"), kw.get("inputs_embeds"), kw.get("position_ids"))
 
 
+def _embedding_modules(base) -> list[nn.Module]:
+    """The modules the embedding step (`Family.embed`) calls, with their submodules."""
+    tops = (getattr(base, "embeddings", None), getattr(base, "embeddings_project", None),
+            getattr(getattr(base, "encoder", None), "embedding_hidden_mapping_in", None))  # fmt: skip
+    return [m for top in tops if isinstance(top, nn.Module) for m in top.modules()]
+
+
+def _layer_values(spec: EncoderLayerSpec, x, layout, config, causal, training) -> torch.Tensor:
+    """One post-norm layer on values x (rows, D) (a checkpointed layer's function)."""
+    return encoder_values([spec], None, x, layout, config, causal, None, training)
+
+
 def _modernbert_embed(base, kw):
     return base.embeddings(input_ids=kw.get("input_ids"), inputs_embeds=kw.get("inputs_embeds"))
 
@@ -221,6 +236,14 @@ class HFEncoderBody(_hf.HFBody):
     def __init__(self, module: PreTrainedModel):
         family = FAMILIES[module.config.model_type]
         super().__init__(module, family, family.layer_list(module))
+        # every arm calls the embedding step's modules as the original does: their hooks (e.g. the one
+        # `enable_input_require_grads` registers for gradient checkpointing and peft) keep no batch padded; only a
+        # graph, which runs them at its capture alone, is kept from a call while they have one (`embeds_hooked`)
+        called = {id(m) for m in _embedding_modules(module)}
+        watched = [(id(m) in called, hooks) for m in module.modules() if m is not module
+                   for hooks in (m._forward_hooks, m._forward_pre_hooks)]  # fmt: skip
+        self._hook_dicts = [hooks for embedding, hooks in watched if not embedding]
+        self._embed_hook_dicts = [hooks for embedding, hooks in watched if embedding]
         config = module.config
         self._specs = EpochCache(self._make_specs)
         self.static_reason = self._static_reason(module)
@@ -256,6 +279,10 @@ class HFEncoderBody(_hf.HFBody):
     def autocast_reason(self, dtype, cast):
         return autocast_reason(dtype) if self.fused else "autocast"
 
+    def embeds_hooked(self) -> bool:
+        """True when a module of the embedding step has a forward hook (a graph would run it at its capture only)."""
+        return _hf.hidden_hooked(self._embed_hook_dicts)
+
     def _make_specs(self):
         return self.family.layers(self.module) if self.family.layers is not None else None
 
@@ -285,9 +312,26 @@ class HFEncoderBody(_hf.HFBody):
         if hidden is not None:
             hidden.append(x)
         if family.layers is not None:
-            specs = self._layer_specs()
-            return encoder_values(specs, None, x, layout, config, causal, hidden, self.module.training)
+            specs, training = self._layer_specs(), self.module.training
+            checkpoints = self._checkpoints(len(specs))
+            if checkpoints is None:
+                return encoder_values(specs, None, x, layout, config, causal, hidden, training)
+            for spec, checkpoint in zip(specs, checkpoints):  # (post-norm layers: nothing crosses a layer but x)
+                layer = functools.partial(_layer_values, spec, layout=layout, config=config, causal=causal,
+                                          training=training)  # fmt: skip
+                x = layer(x) if checkpoint is None else checkpoint(layer, x)
+                if hidden is not None:
+                    hidden.append(x)
+            return x
         return self._module_values(x, layout, config, hidden)
+
+    def _checkpoints(self, layers: int) -> list | None:
+        """Each layer's checkpoint function where HF's gradient checkpointing applies to this call (None for a layer
+        it leaves out), or None where it applies to none (_modules.py)."""
+        if not (self.module.training and torch.is_grad_enabled()) or len(self._list) != layers:
+            return None  # (ALBERT's shared layers take no checkpointing in transformers)
+        checkpoints = [layer_checkpoint(layer) for layer in self._list]
+        return checkpoints if any(checkpoints) else None
 
     def _module_values(self, x, layout, config, hidden):
         """ModernBERT's own layer modules on (1, rows, D), our varlen kernel as their attention."""
@@ -324,6 +368,8 @@ class HFEncoderCall(_hf.HFCall):
 
     def __init__(self, body: HFEncoderBody, module, kwargs, lengths):
         super().__init__(body, module, kwargs, lengths)
+        if self.eager_only is None and body.embeds_hooked():
+            self.eager_only = "forward hooks on the embeddings (a graph would run them at its capture only)"
         self.any_padding = body.first_column
         self.padding_note = "" if body.first_column else _PAD_COLUMN_NOTE
 

@@ -27,12 +27,16 @@ import dataclasses
 import torch
 from torch import nn
 
+from ._modules import adapted_linear
+
 __all__ = ["FusedQKV", "unfuse"]
 
 _data_ptr = torch.Tensor.data_ptr
 
 
 def _fusable(linears: tuple[nn.Linear, nn.Linear, nn.Linear]) -> bool:
+    if any(map(adapted_linear, linears)):  # (it runs as itself: its weight is the base layer's alone)
+        return False
     weights = [lin.weight for lin in linears]
     biases = [lin.bias for lin in linears]
     w0 = weights[0]
@@ -101,7 +105,8 @@ class FusedQKV:
         if self._cache[0] is not specs:
             fused = []
             for spec in specs:
-                buffer = self.buffers.get(id(spec.qkv[0][0])) if len(spec.qkv) == 3 else None
+                three = len(spec.qkv) == 3 and isinstance(spec.qkv[0], tuple)  # (weights, not a module)
+                buffer = self.buffers.get(id(spec.qkv[0][0])) if three else None
                 fused.append(spec if buffer is None else dataclasses.replace(spec, qkv=(buffer,)))
             self._cache = (specs, fused)
         return self._cache[1]

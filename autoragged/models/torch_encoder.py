@@ -31,6 +31,7 @@ class DispatchingTransformerEncoder(nn.TransformerEncoder):
     be a RaggedTensor (then the result is one); `lengths` are host ints (B) that make the mask optional.
     """
 
+    @torch.compiler.disable  # eager under torch.compile: see models/hf.py's docstring
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None, *, lengths=None):
         runtime = self._autoragged.ready(self)
         return runtime.run(self, TorchCall(runtime.body, src, mask, src_key_padding_mask, is_causal, lengths))
@@ -39,6 +40,7 @@ class DispatchingTransformerEncoder(nn.TransformerEncoder):
 class DispatchingTransformerEncoderLayer(nn.TransformerEncoderLayer):
     """An `nn.TransformerEncoderLayer` whose forward picks padded or ragged per batch."""
 
+    @torch.compiler.disable  # eager under torch.compile: see models/hf.py's docstring
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False, *, lengths=None):
         runtime = self._autoragged.ready(self)
         return runtime.run(self, TorchCall(runtime.body, src, src_mask, src_key_padding_mask, is_causal, lengths))
