@@ -255,9 +255,10 @@ def _reduce(output, head: Callable | None, hidden: RaggedTensor, ids: RaggedTens
     if output == "hidden":
         return values.index_select(0, _rows(layout, device)), list(lens)
     if output == "mean":
-        comp = host_to_device(np.repeat(np.arange(len(lens), dtype=np.int64), lens), device)
-        sums = torch.zeros(len(lens), values.shape[1], dtype=torch.float32, device=device)
-        sums.index_add_(0, comp, values.index_select(0, _rows(layout, device)).float())
+        rows = values.index_select(0, _rows(layout, device)).float()
+        # a segmented sum, not index_add_: CUDA's index_add_ adds with atomics, in an order that changes run to run
+        lengths = host_to_device(np.asarray(lens, dtype=np.int64), device)
+        sums = torch.segment_reduce(rows, "sum", lengths=lengths, unsafe=True)  # unsafe: no validating sync
         counts = host_to_device(np.asarray(lens, dtype=np.float32), device)
         return (sums / counts[:, None]).to(values.dtype), [1] * len(lens)
     # token_logprobs: log p(token t | tokens < t) for t >= 1, the logits of row t - 1 against the id of row t

@@ -290,3 +290,24 @@ def test_shards_refuse_another_jobs_directory_and_hold_tensors_only(tmp_path):
     (tmp_path / "run009-rank000-chunk00000.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="cannot be read .* delete it"):
         read_shards(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "results",
+    [
+        [torch.randn(6) for _ in range(5)],  # one shape: means, cls, last_hidden
+        [torch.randn(n) for n in (3, 0, 7, 1, 2)],  # token_logprobs (a one-token document has none)
+        [torch.randn(n, 4) for n in (3, 1, 2, 5, 1)],  # hidden
+        [torch.randn(3), torch.randn(3).half(), torch.randn(2, 2), torch.tensor(1.0), torch.randn(1)],  # mixed
+    ],
+)
+def test_shards_read_back_every_result_as_written(results, tmp_path):
+    """A chunk's results are saved as one flat tensor where they share a dtype and dims (read back as views), else
+    as the list: either way each comes back with its shape, dtype and values, in input order."""
+    n = len(results)
+    store = shards_module.ShardStore.open(tmp_path, shards_module.JobIdentity(n, "f", "x"), Ranks(0, 1))
+    store.write(iter([([4, 0], [results[4], results[0]]), ([2, 1, 3], [results[2], results[1], results[3]])]))
+    back = list(read_shards(tmp_path))
+    assert len(back) == n
+    for want, got in zip(results, back):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
