@@ -460,3 +460,30 @@ def test_packed_position_ids_are_attended_as_the_original_attends(use_cache, mon
     want, want64 = originals(model, kwargs)
     check_close(f"packed, use_cache={use_cache}", out.logits, want.logits, want64.logits)
     assert last(model).arm == "ragged" and last(model).stats.batch == (5 if not use_cache else 2)
+
+
+def test_packed_rows_price_the_padded_arm_as_the_whole_rows(monkeypatch):
+    """The padded arm of packed rows is the original module over each whole row (its attention spans the row): the
+    cost model prices that, not the row's sequences padded to their longest, and its record says what it ran."""
+    from autoragged.tuning_db import BatchStats
+
+    from autoragged.planning.costmodel import PADDED, AnalyticPrior
+    from autoragged.planning.device import device_key
+
+    use_reference(monkeypatch)
+    model = autoragged.wrap(model_of("llama"), db=False)
+    docs = (2, 3, 4, 2, 3, 2)  # six sequences in one row of 16
+    ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in docs])[None]
+    runtime = model.base_model._autoragged
+    with torch.no_grad(), runtime.forcing("padded"):
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    prior, sig = AnalyticPrior(device_key(torch.device("cpu"))), runtime.sig
+    rows = BatchStats.from_lengths((16,))
+    assert last(model).arm == "padded" and last(model).stats == rows  # what the padded arm computed
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    decision = last(model)
+    assert decision.predicted_ms["padded"] == pytest.approx(prior.predict_ms(sig, rows, [PADDED])[0])
+    sequences = BatchStats.from_lengths(docs, padded_len=16)  # what it was priced as: six rows of 16
+    assert decision.predicted_ms["padded"] < prior.predict_ms(sig, sequences, [PADDED])[0]

@@ -72,8 +72,11 @@ class Planner:
         self.shortlist = shortlist
         self._cache: OrderedDict[tuple, Predictions] = OrderedDict()
 
-    def predict(self, stats: BatchStats, width: int) -> Predictions:
-        key = (*bucket_key(stats), width)
+    def predict(self, stats: BatchStats, width: int, padded: BatchStats | None = None) -> Predictions:
+        """Each arm kind's config and predicted ms for a batch of `stats` (its sequences), the graph `width` wide.
+        `padded`: what the padded arm computes where that is not `stats` padded to its longest (a packed row of
+        several sequences: the original module attends over the whole row)."""
+        key = (*bucket_key(stats), width, None if padded is None else bucket_key(padded))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -85,6 +88,8 @@ class Planner:
         graph = Arm("ragged_graph", graph_config(self.head_dim, width))
         arms = [PADDED, *eager, graph]
         ms = np.array(self.model.predict_ms(self.sig, stats, arms), dtype=float)
+        if padded is not None:
+            ms[0] = float(self.model.predict_ms(self.sig, padded, [PADDED])[0])
         note = f"cost model ({self.model.name})"
         bad = ~(np.isfinite(ms) & (ms > 0))
         if bad.any():

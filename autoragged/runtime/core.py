@@ -218,6 +218,8 @@ class Runtime:
             if late:
                 arm, why, learns = PADDED, late, False
         out, pads = self._execute(module, call, arm, lens, stats, not_prefix, decision.graph)
+        if arm.kind == "padded":  # what it computed: a packed row's padded arm runs the whole row
+            stats = _whole_rows(call, stats) or stats
         record = Record(stats, arm, decision.predicted, why + self.tag, device_key(device), self.sig_key)
         if lens is None:
             width = decision.graph.key.width if arm.kind == "ragged_graph" else call.L
@@ -243,7 +245,7 @@ class Runtime:
         if self.policy == "ragged":
             config = self.options.config or default_ragged_config(self.body.head_dim, stats.max_len)
             return _Decision(Arm("ragged", _aligned(config, call, key)), False, "policy=ragged", {}, None, False)
-        predictions = self._planner(call.device).predict(stats, key.width)
+        predictions = self._planner(call.device).predict(stats, key.width, _whole_rows(call, stats))
         predicted = {"padded": predictions.ms["padded"], "ragged": predictions.ms["ragged"]}
         ready = {"padded", "ragged"}
         # a graph replays no dropout mask, records no autograd and casts nothing: training and autocast run eager
@@ -629,6 +631,15 @@ class _Decision(NamedTuple):
     predicted: dict
     graph: RaggedGraph | None
     learns: bool
+
+
+def _whole_rows(call, stats: BatchStats | None) -> BatchStats | None:
+    """For packed rows (several sequences a row: `stats` counts the sequences, the call its rows), the stats of
+    what the padded arm computes, the original module over every whole row (each row's attention spans it all);
+    else None (the padded arm pads the sequences of `stats`)."""
+    if stats is None or stats.batch == call.B:
+        return None
+    return BatchStats.from_lengths((call.L,) * call.B)
 
 
 def _on_device(mask: torch.Tensor) -> bool:
