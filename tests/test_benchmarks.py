@@ -95,6 +95,17 @@ def test_encode_smoke(tmp_path):
     assert all(r[c] > 0 for r in line["rows"] for c in ("cold_s", "warm_s", "numpy_warm_s", "speedup_warm"))
 
 
+def test_multi_gpu_smoke(tmp_path):
+    """Each task on one and on two gloo ranks: the two-rank job results and DDP losses are the one-rank run's."""
+    pytest.importorskip("transformers")
+    line = smoke("multi_gpu", tmp_path)
+    rows = {(r["task"], r["gpus"]): r for r in line["rows"]}
+    assert set(rows) == {(t, g) for t in ("embed", "score", "ddp") for g in (1, 2)}
+    assert all(r["rate"] > 0 and r["speedup"] > 0 for r in rows.values())
+    assert rows["embed", 2]["identical"] and rows["score", 2]["identical"]
+    assert rows["ddp", 2]["compared"] == 4 and rows["ddp", 2]["max_diff"] < 1e-5
+
+
 def test_a_run_of_record_needs_a_gpu(tmp_path):
     done = run("cora_table", "--quick", "--results", str(tmp_path), gpu=False)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
