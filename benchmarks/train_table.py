@@ -133,34 +133,33 @@ class Column(NamedTuple):
     step: Callable
 
 
+def _steps(c: Column, batches: list, device) -> bool:
+    """Run the column's steps on `batches` to the end (synchronised); False where they ran out of memory (a result
+    too: the column does not fit where another does)."""
+    try:
+        for b in batches:
+            c.step(c.model, c.opt, b, device)
+        sync(device)
+        return True
+    except torch.OutOfMemoryError:
+        c.opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return False
+
+
 def race(columns: dict[str, Column], row: dict, device) -> None:
     """Warm each column up, then its timed batches: pass 1 (new), then twice more (pass 2, the faster), the columns
     taking turns pass by pass (forward, reverse, forward); ms per step, peak GiB and out-of-memory into `row`."""
     names = list(columns)
-    oom = set()
-    for col, c in columns.items():
-        try:
-            for b in c.warm:
-                c.step(c.model, c.opt, b, device)
-            sync(device)
-        except torch.OutOfMemoryError:  # a result too: the column does not fit where another does
-            oom.add(col)
-            c.opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+    oom = {col for col, c in columns.items() if not _steps(c, c.warm, device)}
     for n, order in enumerate((names, names[::-1], names)):
         for col in (c for c in order if c not in oom):
             c = columns[col]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            try:
-                for b in c.timed:
-                    c.step(c.model, c.opt, b, device)
-                sync(device)
-            except torch.OutOfMemoryError:  # a result too: the column does not fit where another does
+            if not _steps(c, c.timed, device):
                 oom.add(col)
-                c.opt.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
                 continue
             ms = (time.perf_counter() - t0) * 1e3 / len(c.timed)
             key = f"{col}1" if n == 0 else f"{col}2"
