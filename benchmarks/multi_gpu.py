@@ -248,7 +248,12 @@ def worker(task: str, args) -> None:
     if rank == 0:
         line |= {"world": world, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         (out / "line.json").write_text(json.dumps(line))
-    dist.destroy_process_group()
+    dist.barrier()
+    # everything is written: leave without the process group's teardown, which once aborted a gloo rank on CI's
+    # CPU ("terminate called without an active exception") after its work was done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the parent: one torchrun per (task, GPU count), the table -------------------------------------------------
