@@ -92,7 +92,7 @@ def attention_values(
     if _recording(q, k, v):  # training: the forward stores what the backward kernels need
         problem = k_attn_bwd.AttentionProblem(
             offsets, lengths, functools.partial(layout.prelude, device=q.device), key_lengths, bool(causal), scale,
-            (left, right), config, layout.max_len, drop,
+            (left, right), config, layout.max_len, drop, layout.offsets[-1],
         )  # fmt: skip
         return k_attn_bwd.ragged_attention_train(q, k, v, problem)
     grid_mapping, block_offsets = layout.prelude(config.block_m, q.device)

@@ -201,6 +201,9 @@ class AttentionProblem(NamedTuple):
     causal, scale, window: as `ragged_attention`; scale None is 1 / sqrt(head dim)
     config:            the forward's tiles; max_len the longest component (picks the backward's tiles)
     dropout:           attention dropout (its p and seed), or None
+    written:           the rows the forward kernel writes (the layout's extents, offsets[-1]); rows past them, spare
+                       rows of no component, are zeroed: a weight gradient sums every row, and 0 x a NaN left in
+                       freed memory is NaN
     """
 
     offsets: torch.Tensor
@@ -213,6 +216,7 @@ class AttentionProblem(NamedTuple):
     config: KernelConfig
     max_len: int
     dropout: fwd.Dropout | None = None
+    written: int | None = None
 
 
 def _bounds(problem: AttentionProblem) -> tuple[int, int]:
@@ -279,6 +283,8 @@ class _RaggedAttention(torch.autograd.Function):
             scale=problem.scale, config=problem.config, window=problem.window, key_lengths=problem.key_lengths,
             lse=lse, dropout=problem.dropout,
         )  # fmt: skip
+        if problem.written is not None and problem.written < T:
+            out[problem.written :].zero_()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         return out

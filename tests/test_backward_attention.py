@@ -119,6 +119,29 @@ def test_attention_backward_aligned_layout_and_views():
     assert not qkv.grad[gaps].any()
 
 
+def test_attention_under_autograd_zeroes_spare_rows_past_every_component(monkeypatch):
+    """Spare rows after the last component (the rows an encoder's cuBLAS rung adds on the GPU) come out zero, not
+    whatever freed memory held: the o-projection's weight gradient sums every row, and there 0 x NaN is NaN (a
+    compiled BERT step on an H100 got NaN weight gradients from it). The forward's buffer is poisoned with NaN here,
+    as freed device memory may be."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(k_attn.torch, "empty", poisoned)
+    base = Layout.make((5, 17, 1), align=1)
+    layout = Layout(base.lengths, 1, base.offsets, base.rows + 9, canonical=False)
+    T, H, D = layout.rows, 2, 32
+    q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
+    out = attention_values(q, k, v, layout)
+    assert torch.equal(out[base.rows :], torch.zeros_like(out[base.rows :]))
+    w = torch.randn(H * D, 8, requires_grad=True)
+    (out.reshape(T, -1) @ w)[: base.rows].sum().backward()
+    assert torch.isfinite(w.grad).all() and torch.isfinite(q.grad).all()
+
+
 def test_attention_values_without_grad_takes_the_inference_kernel():
     """No autograd recording: no lse is stored and the result equals the training forward's."""
     layout = Layout.make((5, 17))
