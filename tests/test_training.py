@@ -241,6 +241,73 @@ def test_decoders_train_ragged_with_the_original_gradients(family):
         _check_decoder(_decoder(family), kwargs, keep, f"{family} {side}")
 
 
+def _lm_batch(side: str, lengths=LENGTHS):
+    """A causal LM's training batch of `side` padding: labels the ids, -100 at pads (as HF's and TRL's collators)."""
+    kwargs, keep = _batch(side, lengths)
+    return {**kwargs, "labels": kwargs["input_ids"].masked_fill(~keep, -100), "use_cache": False}, keep
+
+
+def _right(kwargs: dict, keep: torch.Tensor) -> dict:
+    """The same documents right-padded (a left-padded batch's rows moved to the front)."""
+    order = torch.sort((~keep).int(), dim=1, stable=True).indices
+    return {k: v.gather(1, order) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in kwargs.items()}
+
+
+def _loss_and_grads(model, kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**kwargs)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_a_causal_lm_computes_its_loss_on_the_real_tokens(family):
+    """With labels, the LM head and the loss run on the real tokens only (the head sees (rows, D), not (B, L, D)):
+    the loss and every gradient are the original's on the right-padded batch, for either padding side, with the
+    mean or a given token count; the logits are the original's on real tokens and zeros at pads."""
+    for side in ("right", "left"):
+        for count in (None, torch.tensor(13)):
+            kwargs, keep = _lm_batch(side)
+            if count is not None:
+                kwargs["num_items_in_batch"] = count
+            model = _decoder(family)
+            plain, plain64 = copy.deepcopy(model), copy.deepcopy(model).double()
+            autoragged.wrap(model, db=False, policy="ragged")
+            seen = []
+            model.lm_head.register_forward_hook(lambda m, args, out, seen=seen: seen.append(tuple(args[0].shape)))
+            out, ours = _loss_and_grads(model, kwargs)
+            want_out, want = _loss_and_grads(plain, _right(kwargs, keep))
+            out64, want64 = _loss_and_grads(plain64, _right(kwargs, keep))
+            what = f"{family} {side} count={count}"
+            assert seen == [(int(keep.sum()), model.config.hidden_size)], (what, seen)
+            assert _arms(model)[-1][0] == "ragged", _arms(model)
+            assert_within_torch_error(out.loss[None], want_out.loss[None], out64.loss[None], f"{what} loss")
+            assert_gradients_within(ours, want, want64, what)
+            right = _right({"keep": keep}, keep)["keep"]
+            assert_within_torch_error(out.logits[keep], want_out.logits[right], out64.logits[right], f"{what} logits")
+            assert torch.equal(out.logits[~keep], torch.zeros_like(out.logits[~keep])), what
+
+
+def test_a_causal_lm_runs_its_own_head_where_the_base_model_ran_padded():
+    """The padded arm, a tuple output, logits_to_keep and no labels: the original forward's head and loss, exactly;
+    unwrap gives the class's forward back."""
+    kwargs, keep = _lm_batch("right")
+    model = _decoder("qwen2")
+    plain = copy.deepcopy(model)
+    autoragged.wrap(model, db=False, policy="padded")
+    torch.testing.assert_close(model(**kwargs).loss, plain(**kwargs).loss, rtol=0, atol=0)
+    autoragged.wrap(model, db=False, policy="ragged")
+    ours, want = model(**kwargs, return_dict=False), plain(**kwargs, return_dict=False)
+    assert isinstance(ours, tuple) and len(ours) == len(want)
+    unlabelled = {k: v for k, v in kwargs.items() if k != "labels"}
+    last = model(**unlabelled, logits_to_keep=1)
+    assert last.logits.shape == (len(LENGTHS), 1, model.config.vocab_size)
+    assert model(**unlabelled).loss is None
+    assert "forward" in model.__dict__
+    autoragged.unwrap(model)
+    assert "forward" not in model.__dict__
+
+
 def test_the_packed_format_attends_within_each_sequence():
     """DataCollatorWithFlattening's rows: one row of several sequences, position_ids restarting, no mask. transformers
     attends within each sequence there; so does the ragged arm, which runs them as its components (before, it attended

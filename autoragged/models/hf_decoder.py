@@ -5,7 +5,8 @@ Mistral, Qwen2, Qwen3, Gemma, Phi-3 and GPT-2, and every model that holds one (`
 What is wrapped is the base model (`LlamaModel`; the `model` of `LlamaForCausalLM`; GPT-2's `transformer`):
 heads outside it (the LM head, the last-real-token score of `...ForSequenceClassification`, whatever
 `logits_to_keep` selects) run as before on its padded output, which is exact on real tokens. The padded arm
-is the base model's own forward, untouched.
+is the base model's own forward, untouched. One exception: with labels, a Llama, Mistral or Qwen2/3 causal LM
+computes its LM head and loss on the real tokens alone (causal_lm.py).
 
 The ragged arm unpads once and repads once:
 - the first layer's input on the padded call, as the original computes it: token embeddings (Gemma's scaled
@@ -64,6 +65,7 @@ from ..kernels import ragged_attention as k_attn
 from ..ragged.layout import Layout
 from ..ragged.tensor import RaggedTensor, mask_rows, pad_mask, padded_from_ragged, ragged_from_padded
 from ..tuning_db import ModuleSignature
+from . import causal_lm as _causal_lm
 from . import fused_decoder as _fused_decoder
 from . import hf as _hf
 from . import sentence as _sentence
@@ -474,6 +476,8 @@ class HFDecoderCall(_hf.HFCall):
             B, L = self._packed
             y = y.values.view(B, L, -1)
             hidden = None if hidden is None else [h.view(B, L, -1) for h in hidden]
+        elif self._flat is not None and not isinstance(y, RaggedTensor):  # a causal LM's head may run on them
+            _causal_lm.note_rows(self.module, self._flat[1])
         return self.body.output(self, y, hidden)
 
 
@@ -497,11 +501,14 @@ class HFDecoderAdapter:
         _hf.uninstall(module)
 
     def install_container(self, model: nn.Module) -> None:
-        """sentence-transformers' input module around a wrapped base model: host lengths from its tokenizer."""
+        """sentence-transformers' input module around a wrapped base model: host lengths from its tokenizer; a
+        causal LM around one: its loss on the real tokens (causal_lm.py)."""
         _sentence.install(model)
+        _causal_lm.install(model)
 
     def uninstall_container(self, model: nn.Module) -> None:
         _sentence.uninstall(model)
+        _causal_lm.uninstall(model)
 
 
 ADAPTER = HFDecoderAdapter()
