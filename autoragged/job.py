@@ -46,7 +46,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ from .jobs.shards import JobIdentity, ShardStore, read_shards
 from .ragged.backend import host_to_device
 from .ragged.layout import Layout, check_align
 from .ragged.tensor import RaggedTensor
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["run_job", "token_budget", "read_shards", "rank_shares", "init_distributed", "OUTPUTS"]
 
@@ -398,7 +401,7 @@ def run_job(
     output: str | Callable | None = None,
     max_tokens: int | None = None,
     align: int | None = None,
-    progress: bool = True,
+    progress: bool | tqdm = True,
     gather: str | None = "rank0",
     shards: str | os.PathLike | None = None,
 ) -> Iterator:
@@ -429,7 +432,9 @@ def run_job(
     max_tokens: the bin budget in aligned tokens; None: measured (`token_budget`'s defaults; call it yourself
                 for another safety or cap), the smallest of the ranks' under a process group
     align:      bin alignment; None: that of the config the ragged arm runs (see `_align`)
-    progress:   a tqdm bar over this process's documents (on stderr; rank 0's only under a process group)
+    progress:   a tqdm bar over this process's documents (on stderr; rank 0's only under a process group), or
+                the caller's own tqdm bar, advanced by this process's documents and left open (one bar over
+                several calls)
     gather:     "rank0": the results are yielded in input order (by rank 0 under a process group, other ranks
                 yield nothing); None: nothing is yielded (with `shards`: the results stay in the directory)
     shards:     a directory the results are written to as they come (one file per rank per chunk of documents,
@@ -485,11 +490,25 @@ def run_job(
             yield from _in_order((pair for pairs in gathered for pair in pairs), n)
 
 
-def _bar(bins: list[list[int]], progress: bool, ranks: Ranks):
+def _bar(bins: list[list[int]], progress: bool | tqdm, ranks: Ranks):
     from tqdm.auto import tqdm
 
+    if not isinstance(progress, bool):
+        return _LentBar(progress)
     desc = "autoragged run_job" + (f" (rank 0 of {ranks.world})" if ranks.world > 1 else "")
     return tqdm(total=sum(map(len, bins)), unit="doc", disable=not progress or ranks.rank != 0, desc=desc)
+
+
+class _LentBar(NamedTuple):
+    """The caller's progress bar (run_job(progress=bar)): advanced here, closed by its owner."""
+
+    bar: tqdm
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        pass
 
 
 def _bin_results(job: _Job, docs: _Docs, bins: list[list[int]], bar) -> Iterator[tuple[list[int], list]]:
