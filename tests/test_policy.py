@@ -168,3 +168,19 @@ def test_an_arm_untimed_on_a_shape_costs_what_the_modules_other_shapes_say_of_it
     kinds = {choose(state, predicted, ALL, 32, scales).kind for _ in range(20)}
     assert kinds == {"ragged_graph"}
     assert scales.estimate("padded", 2.0, 1.5) == 3.0  # not timed anywhere: this shape's scale
+
+
+def test_in_training_an_arm_timed_nowhere_takes_the_timed_arms_scale():
+    """Training timings hold the backward the forward-only prior leaves out, every arm's alike: an arm the module never
+    timed is scaled as the timed ones are, so a new shape runs the arm the prior ranks first (priced bare, the padded
+    arm looked cheaper than a ragged arm timed at 3x its prior). Inference keeps each arm's own scale."""
+    from autoragged.runtime.policy import Scales
+
+    predicted = {"padded": 20.0, "ragged": 10.0}
+    for shared, want in ((True, "ragged"), (False, "padded")):
+        scales = Scales(shared=shared)
+        for _ in range(3):
+            scales.observe("ragged", 30.0, 10.0, 5.0)
+        state = ShapeState()
+        assert choose(state, predicted, {"padded", "ragged"}, 32, scales).kind == want, shared
+        assert policy.costs(ShapeState(), predicted, scales)["padded"] == (60.0 if shared else 20.0)

@@ -138,7 +138,7 @@ class Runtime:
         self.planners: dict[torch.device, Planner] = {}
         self.shapes: dict[ShapeKey, ShapeState] = {}
         self.scales = Scales()  # inference batches' measured / predicted
-        self.train_scales = Scales()  # training batches' (forward and backward) measured / predicted forward
+        self.train_scales = Scales(shared=True)  # training batches' (forward and backward) measured / predicted forward
         self.pending: deque[_Timed] = deque()
         self.graphs: GraphCache | None = None
         self.pads_ring: PadsRing | None = None
@@ -158,9 +158,10 @@ class Runtime:
     def __getstate__(self):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: options travel, state does not."""
         state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, shapes={}, scales=Scales(), train_scales=Scales(),
-                     pending=deque(), graphs=None, pads_ring=None, timers={}, body=None, _bound_epoch=-1, _probe=None,
-                     _probe_epoch=-1, _params=[], _params_epoch=-1)  # fmt: skip
+        state.update(ring=deque(maxlen=_RING), planners={}, shapes={}, scales=Scales(),
+                     train_scales=Scales(shared=True), pending=deque(), graphs=None, pads_ring=None, timers={},
+                     body=None, _bound_epoch=-1, _probe=None, _probe_epoch=-1, _params=[],
+                     _params_epoch=-1)  # fmt: skip
         return state
 
     def ready(self, module) -> Runtime:
