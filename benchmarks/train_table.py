@@ -29,7 +29,7 @@ documents of lognormal lengths (median 300 tokens, sigma 0.8, within 16-2048), 8
 Columns: padded (HF, DataCollatorWithPadding's format: right padding, labels -100 at pads), packed (HF's own packed
 path: DataCollatorWithFlattening's one row with restarting position_ids, the first token of each document -100,
 use_cache=False so transformers splits the documents), auto (the wrapped model on the padded batches: its LM head
-and loss still run on the padded output), auto_packed (the wrapped model on the packed batches).
+and loss run on the real tokens), auto_packed (the wrapped model on the packed batches).
 Every call passes use_cache=False. Goals (issue 45): auto >= 2.0x padded and >= 1.4x packed, peak memory at most
 packed's, loss within bf16's own error. Appends a line to benchmarks/results/train_table.jsonl.
 """
