@@ -31,28 +31,30 @@ back through pinned memory without blocking, and the host waits on a bin's copy 
 queued behind it.
 
 Past one process: under an initialised process group (`init_distributed()` makes one from torchrun's
-environment) every rank calls `run_job` with the same documents. The bins, the same on every rank, are split
-by tokens with no communication (`rank_shares`: largest bin first to the least-loaded rank), and each rank runs
-its share. Results come back in input order on rank 0 (`gather="rank0"`: one gather_object at the end), and/or
-each rank writes them as it goes to a directory of shards (`shards=DIR`: one file per rank per chunk of
-documents, written whole or not at all). A rerun skips the documents the directory holds and splits the rest
+environment) every rank calls `run_job` with the same documents. The bins are the same on every rank; each rank
+takes the next one from a counter in the process group's store as it stages its last (`BinClaims`), or, where the
+store cannot be reached, runs a share split by tokens with no communication (`rank_shares`: largest bin first to
+the least-loaded rank). Results come back in input order on rank 0 (`gather="rank0"`: one gather_object at the
+end), and/or each rank writes them as it goes to a directory of shards (`shards=DIR`: one file per rank per chunk
+of documents, written whole or not at all). A rerun skips the documents the directory holds and splits the rest
 afresh, so a crash loses nothing written; `read_shards(DIR)` gives every result in input order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from .jobs.ranks import Ranks, init_distributed, rank_shares
+from .jobs.ranks import BinClaims, Ranks, init_distributed, rank_shares
 from .jobs.shards import JobIdentity, ShardStore, read_shards
 from .ragged.backend import host_to_device
 from .ragged.layout import Layout, check_align
@@ -442,10 +444,11 @@ def run_job(
                 resumes. With gather="rank0" the results are read back from it once every rank is done.
 
     Under an initialised torch.distributed process group (`init_distributed()`), run_job is a collective:
-    every rank calls it with the same documents and iterates it to its end. The bins are split by tokens
-    (`rank_shares`), the same split on every rank, with no communication but a check that the documents agree
-    and, for a measured budget, the smallest budget. Results equal a one-process run's (the same bins, each
-    run the same way; on a resumed run the remaining documents are binned afresh).
+    every rank calls it with the same documents and iterates it to its end. The bins are the same on every rank,
+    and each rank takes the next from a counter in the process group's store as it goes (`BinClaims`; a share
+    split by tokens, `rank_shares`, where there is no store), after a check that the documents agree and, for a
+    measured budget, the smallest budget. Results equal a one-process run's (the same bins, each run the same
+    way; on a resumed run the remaining documents are binned afresh).
 
     Every bin runs on the ragged arm (see the module docstring); a document longer than the budget gets a bin
     of its own (with an OversizeSequenceWarning). Results are buffered on the host until every earlier
@@ -460,9 +463,9 @@ def run_job(
         raise ValueError("gather=None keeps no result: pass shards=DIR to have each rank write its results there")
     ranks = Ranks.current()
     n = len(docs.lengths)
-    if ranks.world > 1:
-        ranks.check_same((n, _fingerprint(docs, job.output)))
     identity = JobIdentity(n, _fingerprint(docs, job.output), _output_name(job.output))
+    if ranks.world > 1:
+        ranks.check_same((n, identity.fingerprint))
     store = ShardStore.open(shards, identity, ranks) if shards is not None else None
     todo = store.todo if store is not None else np.arange(n)
     bins: list[list[int]] = []
@@ -472,9 +475,7 @@ def run_job(
             log.info("run_job: bins of at most %d tokens (align %d)", max_tokens, job.align)
         packed = ffd_pack(docs.lengths[todo], max_tokens, job.align, stacklevel=3)  # a warning names the caller
         bins = [todo[b].tolist() for b in packed]
-    mine = [bins[i] for i in rank_shares(bins, docs.lengths, ranks.world, job.align)[ranks.rank]]
-    if ranks.world > 1:
-        log.debug("run_job: rank %d of %d runs %d of %d bins", ranks.rank, ranks.world, len(mine), len(bins))
+    mine = _mine(bins, docs, job, ranks, identity.fingerprint)
     results = _bin_results(job, docs, mine, _bar(mine, progress, ranks))
     if store is not None:
         store.write(results)
@@ -490,13 +491,33 @@ def run_job(
             yield from _in_order((pair for pairs in gathered for pair in pairs), n)
 
 
-def _bar(bins: list[list[int]], progress: bool | tqdm, ranks: Ranks):
+_CALLS = itertools.count()  # run_job calls under a process group: a collective, so the same count on every rank
+
+
+def _mine(bins: list[list[int]], docs: _Docs, job: _Job, ranks: Ranks, job_key: str) -> BinClaims | list[list[int]]:
+    """The bins this rank runs: taken one at a time from the process group's store (`BinClaims`), else its share
+    by tokens; one process runs them all."""
+    if ranks.world == 1:
+        return bins
+    call = next(_CALLS)
+    store = ranks.store()
+    if store is not None:
+        return BinClaims(bins, store, f"autoragged/run_job/{call}/{job_key}/next_bin")
+    mine = [bins[i] for i in rank_shares(bins, docs.lengths, ranks.world, job.align)[ranks.rank]]
+    log.debug("run_job: rank %d of %d runs %d of %d bins", ranks.rank, ranks.world, len(mine), len(bins))
+    return mine
+
+
+def _bar(bins, progress: bool | tqdm, ranks: Ranks):
+    """This process's bar over its documents: their count where its bins are known ahead (none when taken one at a
+    time), on rank 0 only under a process group; or the caller's."""
     from tqdm.auto import tqdm
 
     if not isinstance(progress, bool):
         return _LentBar(progress)
     desc = "autoragged run_job" + (f" (rank 0 of {ranks.world})" if ranks.world > 1 else "")
-    return tqdm(total=sum(map(len, bins)), unit="doc", disable=not progress or ranks.rank != 0, desc=desc)
+    total = sum(map(len, bins)) if isinstance(bins, list) else None
+    return tqdm(total=total, unit="doc", disable=not progress or ranks.rank != 0, desc=desc)
 
 
 class _LentBar(NamedTuple):
@@ -511,17 +532,20 @@ class _LentBar(NamedTuple):
         pass
 
 
-def _bin_results(job: _Job, docs: _Docs, bins: list[list[int]], bar) -> Iterator[tuple[list[int], list]]:
-    """(members, their results) per bin, in the order of `bins`: queue bin i, then stage bin i + 1 and read bin
-    i - 1's results (the GPU stays one bin ahead)."""
+def _bin_results(job: _Job, docs: _Docs, bins: Iterable[list[int]], bar) -> Iterator[tuple[list[int], list]]:
+    """(members, their results) per bin, in the order of `bins` (taken one at a time: the next is taken once this
+    one is queued): queue bin i, then stage bin i + 1 and read bin i - 1's results (the GPU stays one bin ahead)."""
     pending: deque[_Results] = deque()
-    staged = _Staged(docs, bins[0], job) if bins else None
+    upcoming = iter(bins)
+    first = next(upcoming, None)
+    staged = _Staged(docs, first, job) if first is not None else None
     try:
-        for i in range(len(bins)):
+        while staged is not None:
             current = staged
             value, shares = _run_bin(job, current)
             pending.append(_Results(current.members, value, shares))
-            staged = _Staged(docs, bins[i + 1], job) if i + 1 < len(bins) else None
+            following = next(upcoming, None)
+            staged = _Staged(docs, following, job) if following is not None else None
             while len(pending) > (1 if staged is not None else 0):
                 done = pending.popleft()
                 results = done.split()

@@ -47,6 +47,7 @@ def main(out: Path) -> None:
              for name, (_, o, t) in JOBS.items()}  # fmt: skip
     rank, world = job.init_distributed()
     assert world == 2, world
+    assert job.Ranks.current().store() is not None  # the ranks take bins from the store's counter (BinClaims)
     ran: dict[str, list[int]] = {}  # "job mode" -> the documents this rank ran
     real = job._run_bin
     job._run_bin = lambda j, staged: (ran[key].extend(staged.members), real(j, staged))[1]

@@ -198,6 +198,36 @@ def test_encoder_job_errors_say_what_is_wrong():
 
 
 # -- ranks ---------------------------------------------------------------------------------------------------
+class _Store:
+    """A process group's store as BinClaims uses it: an atomic add on a key."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add(self, key, n):
+        self.values[key] = self.values.get(key, 0) + n
+        return self.values[key]
+
+
+def test_bin_claims_give_each_bin_to_one_rank_in_order_and_a_slow_rank_fewer():
+    """Ranks take bins one at a time from a shared counter: every bin once, each rank's in order, and a rank that
+    takes a bin for every three the other takes ends with about a quarter of them."""
+    bins = [[i] for i in range(12)]
+    store = _Store()
+    fast, slow = iter(_job.BinClaims(bins, store, "k")), iter(_job.BinClaims(bins, store, "k"))
+    got = {"fast": [], "slow": []}
+    for step in range(20):
+        rank, claims = ("slow", slow) if step % 4 == 3 else ("fast", fast)
+        b = next(claims, None)
+        if b is not None:
+            got[rank].append(b[0])
+    assert sorted(got["fast"] + got["slow"]) == list(range(12))
+    assert got["fast"] == sorted(got["fast"]) and got["slow"] == sorted(got["slow"])
+    assert len(got["slow"]) == 3
+    assert list(_job.BinClaims(bins, store, "k")) == []  # every bin taken: a late rank gets none
+    assert list(_job.BinClaims(bins, store, "other")) == bins  # another job's counter
+
+
 def test_rank_shares_split_every_bin_once_deterministically_and_balanced_by_tokens():
     g = np.random.default_rng(0)
     lengths = g.integers(1, 300, 400)

@@ -1,4 +1,4 @@
-"""`run_job` under `torchrun --nproc-per-node 2` on the CPU (gloo): each rank runs a share of the bins, and the
+"""`run_job` under `torchrun --nproc-per-node 2` on the CPU (gloo): the ranks take the bins between them, and the
 results gathered on rank 0 and read back from the ranks' shards are bit-identical to the same process's run of
 the whole job alone, for an encoder (BERT, "mean") and a decoder (Llama, "token_logprobs"). A rerun in one process
 over the shards of two resumes: it computes only the documents whose shard files are gone.
@@ -44,9 +44,10 @@ def test_two_ranks_give_the_one_process_results_gathered_and_from_shards(launche
     ran = [torch.load(launched / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for mode in ("gathered", "sharded"):
         mine, theirs = ran[0][f"{name} {mode}"], ran[1][f"{name} {mode}"]
-        assert mine and theirs and sorted(mine + theirs) == list(range(n))  # a share each, every document once
+        # every document once (which rank takes which bin is a race: test_job.py tests the taking)
+        assert sorted(mine + theirs) == list(range(n))
     files = sorted(p.name for p in (launched / name).glob("*.pt"))
-    assert {f[:14] for f in files} == {"run001-rank000", "run001-rank001"}
+    assert files and {f[:14] for f in files} <= {"run001-rank000", "run001-rank001"}
 
 
 def test_one_process_resumes_the_shards_of_two_computing_only_what_they_lack(launched, tmp_path, monkeypatch):
@@ -56,7 +57,8 @@ def test_one_process_resumes_the_shards_of_two_computing_only_what_they_lack(lau
     make, output, tokens = worker.JOBS[name]
     shards = tmp_path / name
     shutil.copytree(launched / name, shards)
-    lost = sorted(shards.glob("run001-rank001-*.pt"))
+    files = sorted(shards.glob("run001-*.pt"))
+    lost = files[len(files) // 2 :]
     held = {
         i for p in shards.glob("*.pt") if p not in lost for i in torch.load(p, weights_only=True)["indices"].tolist()
     }
@@ -68,7 +70,7 @@ def test_one_process_resumes_the_shards_of_two_computing_only_what_they_lack(lau
     monkeypatch.setattr(_job, "_run_bin", lambda j, staged: (ran.extend(staged.members), real(j, staged))[1])
     docs = worker.documents()
     got = list(_job.run_job(model, docs, output=output, max_tokens=tokens, align=4, progress=False, shards=shards))
-    assert sorted(ran) == sorted(set(range(len(docs))) - held) and ran  # rank 1's lost documents, nothing else
+    assert sorted(ran) == sorted(set(range(len(docs))) - held) and ran  # the lost files' documents, nothing else
     assert any(p.name.startswith("run002-rank000") for p in shards.glob("*.pt"))
     alone = torch.load(launched / "results.pt", weights_only=True)[name]["alone"]
     for i, (a, b) in enumerate(zip(got, alone)):  # (this process's threads: not bit for bit)
