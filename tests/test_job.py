@@ -1,7 +1,8 @@
 """`run_job` on wrapped HF encoders, its split over ranks, and its shards: each document's pooled output equals the
 padded original's ("cls", "mean", the model's own pooler), in input order, for every encoder family and through a
-SentenceTransformer; a forward hook sends bins to the padded arm with the same results; the ranks' shares are a
-deterministic, token-balanced partition; shards resume after a crash and refuse another job's directory.
+SentenceTransformer; a forward hook sends bins to the padded arm with the same results; ranks take bins from a
+shared counter, each once (or, without a store, a deterministic, token-balanced partition); shards resume after a
+crash and refuse another job's directory.
 
 Tiny random models from config objects (no hub); the ragged arm runs the PyTorch references."""
 

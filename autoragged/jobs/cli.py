@@ -1,5 +1,5 @@
 """`python -m autoragged.job`: a model directory over a file of texts, one result per text, in token-budget bins;
-under `torchrun` each rank runs its share (`autoragged.job.run_job`) and rank 0 writes the output.
+under `torchrun` the ranks take the bins between them (`autoragged.job.run_job`) and rank 0 writes the output.
 
 The texts go in chunks of --chunk-texts: a background thread tokenizes chunk k + 1 while chunk k runs (an HF fast
 tokenizer releases the GIL while it encodes a batch), and each chunk is one run_job call with its own shard
@@ -49,7 +49,7 @@ chunks:  the texts are tokenized in chunks of --chunk-texts (16384) on a backgro
 resuming: results go to --shards (default OUTPUT.shards), one directory per chunk (chunk-00000, ...), as they come;
          after a crash, the same command (the same --chunk-texts) computes only what the shards lack. The shards
          are deleted once OUTPUT is written (--keep-shards keeps them).
-Under torchrun, every rank reads and tokenizes the input, runs its share of each chunk's bins (split by tokens),
+Under torchrun, every rank reads and tokenizes the input, takes each chunk's bins one at a time as it goes,
 and rank 0 writes OUTPUT once all are done; the progress bar counts the texts done: rank 0's as they come, every
 rank's at the end of each chunk."""
 
