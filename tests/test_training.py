@@ -308,6 +308,49 @@ def test_a_causal_lm_runs_its_own_head_where_the_base_model_ran_padded():
     assert "forward" not in model.__dict__
 
 
+# decoders whose layers run as the model's own modules, with our attention (and its backward) inside
+MODULE_DECODERS = {
+    "gemma": lambda: transformers.GemmaConfig(**_DECODER, head_dim=32),
+    "phi3": lambda: transformers.Phi3Config(**_DECODER),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=2, n_positions=64,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(MODULE_DECODERS))
+def test_decoders_of_the_module_path_train_ragged_with_the_original_gradients(family):
+    """Gemma, Phi-3 and GPT-2 layers run as the model's own modules on the packed rows, our attention inside them:
+    under autograd too, with the original's gradients, for either padding side."""
+    for side in ("right", "left"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(MODULE_DECODERS[family]()).train()
+        kwargs, keep = _batch(side)
+        _check_decoder(model, kwargs, keep, f"{family} {side}")
+
+
+def test_a_module_path_decoder_draws_attention_dropout_in_the_kernel():
+    """GPT-2's attention dropout (no other dropout on): a new mask each call in training, the same under the same seed,
+    none in eval. The attention function transformers calls gets the probability and hands it to the kernel."""
+    kwargs, _ = _batch("right")
+    config = MODULE_DECODERS["gpt2"]()
+    config.attn_pdrop = 0.3
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    autoragged.wrap(model, db=False, policy="ragged")
+    kwargs = {**kwargs, "use_cache": False}
+    torch.manual_seed(5)
+    a = model(**kwargs).logits
+    b = model(**kwargs).logits
+    torch.manual_seed(5)
+    again = model(**kwargs).logits
+    assert not torch.equal(a, b) and torch.equal(a, again)
+    a.sum().backward()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**kwargs).logits, model(**kwargs).logits)
+    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+
+
 def test_the_packed_format_attends_within_each_sequence():
     """DataCollatorWithFlattening's rows: one row of several sequences, position_ids restarting, no mask. transformers
     attends within each sequence there; so does the ragged arm, which runs them as its components (before, it attended

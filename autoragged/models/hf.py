@@ -72,6 +72,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     window = None if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
     extra = {} if window is None else {"window": window}
+    if dropout:  # (HF passes the module's probability in training, 0 in eval)
+        extra["dropout"] = float(dropout)
     out = attention_values(q, k, v, layout, causal=causal, scale=scaling, config=config, **extra)
     return out[None], None
 

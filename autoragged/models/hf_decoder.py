@@ -43,8 +43,9 @@ this way.
 The packed format (DataCollatorWithFlattening's: position_ids restarting within a row, no attention mask, no cache)
 runs each sequence as a component, as transformers' own packed path attends within each (`HFDecoderCall._init_packed`).
 
-Training: the fused families run the ragged arm under autograd (our kernels' backward; attention dropout in the
-kernel); the module path's families train padded, with the reason.
+Training: every family runs the ragged arm under autograd: the fused ones by our kernels' backward, the module path
+(Gemma, Phi-3, GPT-2) as the model's own layer modules (their dropouts included) with our attention's backward;
+attention dropout is drawn in the kernel.
 
 Always padded, with the reason: attention logit softcapping (Gemma-2), head dims the kernel lacks,
 cross-attention, bidirectional-configured Gemma.
@@ -189,7 +190,7 @@ class HFDecoderBody(_hf.HFBody):
         self.static_reason = self._static_reason(module)
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
         self.unfused = self._unfused_reason(module)
-        self.trains = self.unfused is None  # (the module path's layers train padded for now)
+        self.trains = True  # fused kernels' backward, or the model's own modules with our attention's
         ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * self.d_model
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "unknown"
         first = self._list[0] if len(self._list) else None
