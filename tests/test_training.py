@@ -1,7 +1,8 @@
 """Training through `autoragged.wrap()`: in train mode, under autograd, the ragged arm runs our kernels' backward and
-gives the original's loss and every parameter's gradient, for every BERT-family head and padding side and for
-PyTorch's encoder; hidden dropout runs ragged, attention-probability dropout trains padded and says so; the policy
-times a training batch's forward and backward.
+gives the original's loss and every parameter's gradient, for every BERT-family head and padding side, for PyTorch's
+encoder and for the decoders (fused and module-path families, a causal LM's loss on its real tokens); hidden and
+attention-probability dropout run ragged with a new mask each call; the policy times a training batch's forward and
+backward.
 
 Gradients follow the tolerance rule of every numerical test (tests/_tolerance.py): each against the original model
 in float64, at most twice the original's own float32 error plus two ulps. The ragged arm runs the Triton kernels in

@@ -76,11 +76,11 @@ class Scales:
     out: the eager arm's launches take 12-15 ms a batch of bert-base on a slow host whatever the batch, ten times
     its GPU work on the short rows, so a scale learnt on the long rows alone would under-price it there.
 
-    shared: an arm the module has not timed anywhere takes the other arms' scale (before it gets this shape's). Set
-    for training, whose timings hold the backward the forward-only prior leaves out, every arm's alike: priced at its
-    bare prior next to a timed ragged arm, HF's padded arm looked the cheaper and ran 5 of 28 steps of a Qwen2.5-0.5B
-    SFT, at 170 ms a step against 90 (H100). Inference arms differ in host time (a graph has none), so there
-    each keeps its own."""
+    shared: an arm the module has not timed anywhere, on a shape where no arm is timed yet, takes the scale of the
+    arms the module has timed (pooled). Set for training, whose timings hold the backward the forward-only prior
+    leaves out, every arm's alike: priced at its bare prior next to a timed ragged arm, HF's padded arm looked the
+    cheaper and ran 5-11 of 28 steps of a Qwen2.5-0.5B SFT, at 170 ms a step against 90 (H100). Inference arms
+    differ in host time (a graph has none), so there each keeps its own."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     host_ms: dict[str, float] = field(default_factory=dict)
