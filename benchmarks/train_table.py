@@ -4,6 +4,7 @@ model (auto and forced ragged).
     python benchmarks/train_table.py                 # 24 rows: the eight CoRa datasets at B = 32, 64, 128
     python benchmarks/train_table.py --quick         # 6 rows: CoLA, MNLI, RACE at B = 32 and 128
     python benchmarks/train_table.py --models qwen2.5-0.5b qwen2.5-1.5b   # SFT steps, 8 and 16 documents a step
+    python benchmarks/train_table.py --models gpt2   # the same for GPT-2's 124M shape (the module path's layers)
     python benchmarks/train_table.py --smoke         # a tiny BERT on the CPU: checks the script
 
 Model: transformers.BertForSequenceClassification (bert-base shape, 3 labels) from a config (random weights), fp32
@@ -23,15 +24,16 @@ Columns: padded (the HF model), auto (autoragged.wrap(model, db=False): a fresh 
 (wrap(..., policy="ragged")). Goals (issue 45), on the second pass: auto at least 0.97x padded on every row and at
 least 1.3x on rows with 40% padding or more at B >= 64.
 
-SFT (--models qwen2.5-0.5b / qwen2.5-1.5b): Qwen2ForCausalLM of that checkpoint's shape from a config, bf16 weights,
-sdpa, train mode; a step is forward with labels (the model's own shifted cross-entropy), backward, fused AdamW;
+SFT (--models qwen2.5-0.5b / qwen2.5-1.5b / gpt2): Qwen2ForCausalLM of that checkpoint's shape (or GPT-2's 124M
+shape, dropout off) from a config, bf16 weights, sdpa, train mode; a step is forward with labels (the model's own
+shifted cross-entropy), backward, fused AdamW;
 documents of lognormal lengths (median 300 tokens, sigma 0.8, within 16-2048), 8 or 16 a step, random token ids.
 Columns: padded (HF, DataCollatorWithPadding's format: right padding, labels -100 at pads), packed (HF's own packed
 path: DataCollatorWithFlattening's one row with restarting position_ids, the first token of each document -100,
-use_cache=False so transformers splits the documents), auto (the wrapped model on the padded batches: its LM head
-and loss run on the real tokens), auto_packed (the wrapped model on the packed batches).
-Every call passes use_cache=False. Goals (issue 45): auto >= 2.0x padded and >= 1.4x packed, peak memory at most
-packed's, loss within bf16's own error. Appends a line to benchmarks/results/train_table.jsonl.
+use_cache=False so transformers splits the documents), auto (the wrapped model on the padded batches: Qwen2's LM
+head and loss run on the real tokens, GPT-2's on the padded output), auto_packed (the wrapped model on the packed
+batches). Every call passes use_cache=False. Goals (issue 45): auto >= 2.0x padded and >= 1.4x packed, peak memory
+at most packed's, loss within bf16's own error. Appends a line to benchmarks/results/train_table.jsonl.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ from benchmarks._common import (  # noqa: E402
     table,
 )
 
-SFT_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+SFT_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "gpt2")
+# GPT-2's 124M shape with room for the longest document; dropout off, as Qwen2 has none (the loss columns compare)
+GPT2 = dict(n_positions=2048, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+TINY_GPT2 = dict(vocab_size=100, n_embd=64, n_layer=2, n_head=2)
 TINY_DECODER = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1, max_position_embeddings=4096)  # fmt: skip
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
@@ -272,13 +277,15 @@ def sft_table(name: str, args, device) -> tuple[list[dict], dict]:
 
     torch.manual_seed(0)
     header(f"{name} SFT steps on lognormal documents (bf16, AdamW)" + (", smoke: tiny, CPU" if args.smoke else ""))
-    if args.smoke:
+    if name == "gpt2":
+        config = transformers.GPT2Config(**GPT2, **(TINY_GPT2 if args.smoke else {}))
+    elif args.smoke:
         config = transformers.Qwen2Config(**TINY_DECODER)
     else:
         config = llm_config(name)
     config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    plain = transformers.Qwen2ForCausalLM(config).to(device, dtype).train()
+    plain = transformers.AutoModelForCausalLM.from_config(config).to(device, dtype).train()
     rows = [sft_row(plain, name, docs, device, args) for docs in ((2,) if args.smoke else SFT_ROWS)]
     cols = [("model", "model", ""), ("batch", "docs", "d"), ("padding", "pad", ".0%")]
     cols += [(f"{c}2", c, ".1f") for c in SFT_COLUMNS]

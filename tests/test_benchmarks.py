@@ -79,9 +79,10 @@ def test_train_table_smoke(tmp_path):
     assert line["summary"]["bert-base"]["min_auto_vs_padded"] > 0
 
 
-def test_train_table_sft_smoke(tmp_path):
+@pytest.mark.parametrize("model", ["qwen2.5-0.5b", "gpt2"])
+def test_train_table_sft_smoke(tmp_path, model):
     pytest.importorskip("transformers")
-    line = smoke("train_table", tmp_path, "--models", "qwen2.5-0.5b")
+    line = smoke("train_table", tmp_path, "--models", model)
     (row,) = line["rows"]
     assert all(row[f"{c}2"] > 0 for c in ("padded", "packed", "auto", "auto_packed"))
     assert row["packed_loss_diff"] < 1e-4 and row["auto_packed_loss_diff"] < 1e-4  # the same targets, the same loss
