@@ -87,7 +87,19 @@ def _linear(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, linear.weight, linear.bias) if type(linear) is nn.Linear else linear(h)
 
 
-def _attention(attn, h, layout, kernel_config, cos, sin, sink, window) -> torch.Tensor:
+class _Shared(NamedTuple):
+    """What every layer of one call shares: the rows' layout, the attention kernel's config, each row's rotary (cos,
+    sin) (rows, Dh), and the KV-cache sink (or None)."""
+
+    layout: object
+    kernel_config: object
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sink: Callable | None
+
+
+def _attention(attn, h, shared: _Shared, window) -> torch.Tensor:
+    layout, kernel_config, cos, sin, sink = shared
     rows, dh = h.shape[0], attn.head_dim
     q = _linear(attn.q_proj, h).view(rows, -1, dh)
     k = _linear(attn.k_proj, h).view(rows, -1, dh)
@@ -110,7 +122,7 @@ def _mlp(mlp, h) -> torch.Tensor:
     return _linear(mlp.down_proj, ops.silu_mul_values(gate, up))
 
 
-def _layer(layer, branch, residual, layout, kernel_config, cos, sin, sink, window):
+def _layer(layer, branch, residual, shared: _Shared, window):
     """One layer on the previous layer's MLP branch and the residual stream it adds to (None before the first layer,
     whose input is `branch`) -> (their sum, the previous layer's output, or None for the first layer; the residual
     stream after this layer's attention; this layer's MLP branch)."""
@@ -120,7 +132,7 @@ def _layer(layer, branch, residual, layout, kernel_config, cos, sin, sink, windo
         total, stream = None, branch
     else:
         stream = total
-    branch = _attention(layer.self_attn, h, layout, kernel_config, cos, sin, sink, window)
+    branch = _attention(layer.self_attn, h, shared, window)
     norm = layer.post_attention_layernorm
     h, residual = ops.add_rms_norm_values(branch, stream, norm.weight, norm.variance_epsilon, store_sum=True)
     return total, residual, _mlp(layer.mlp, h)
@@ -148,11 +160,10 @@ def run(
     (cos, sin), (1, rows, Dh) gathered per packed row; sink and hidden as `HFDecoderBody.values`."""
     layers, final_norm, window_of = stack
     cos, sin = (t[0] for t in position_embeddings)
+    shared = _Shared(layout, kernel_config, cos, sin, sink)
     residual, branch = None, x
     for layer in layers:
-        attn = layer.self_attn
-        run = functools.partial(_layer, layer, layout=layout, kernel_config=kernel_config, cos=cos, sin=sin,
-                                sink=sink, window=window_of(attn))  # fmt: skip
+        run = functools.partial(_layer, layer, shared=shared, window=window_of(layer.self_attn))
         # HF's gradient checkpointing, where it applies (a call that fills a KV cache is not recomputed: the
         # recompute would fill it twice)
         checkpoint = layer_checkpoint(layer) if sink is None else None
