@@ -17,6 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from _tolerance import assert_within_torch_error  # noqa: E402
+from test_hf import COMMON  # noqa: E402
+from test_hf import CONFIGS as HF_CONFIGS  # noqa: E402
 
 import autoragged  # noqa: E402
 from autoragged import job as _job  # noqa: E402
@@ -27,25 +29,9 @@ from autoragged.jobs.ranks import Ranks  # noqa: E402
 from autoragged.packing import ffd_pack, read_shards, run_job  # noqa: E402
 from autoragged.ragged import tensor as _ragged  # noqa: E402
 
-COMMON = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-              pad_token_id=1)  # fmt: skip
-MODERN = dict(bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
-CONFIGS = {
-    "bert": lambda: transformers.BertConfig(**COMMON),
-    "roberta": lambda: transformers.RobertaConfig(**COMMON, max_position_embeddings=40),
-    "xlm-roberta": lambda: transformers.XLMRobertaConfig(**COMMON, max_position_embeddings=40),
-    "electra": lambda: transformers.ElectraConfig(**COMMON, embedding_size=32),
-    "albert": lambda: transformers.AlbertConfig(
-        **COMMON, embedding_size=32, num_hidden_groups=1, inner_group_num=2, hidden_act="gelu_new"
-    ),  # fmt: skip
-    "distilbert": lambda: transformers.DistilBertConfig(
-        vocab_size=100, dim=64, n_layers=2, n_heads=2, hidden_dim=128, pad_token_id=1
-    ),  # fmt: skip
-    # layer 1 attends within +-2 tokens: the window bites on these lengths
-    "modernbert": lambda: transformers.ModernBertConfig(
-        **COMMON, **MODERN, global_attn_every_n_layers=2, local_attention=4
-    ),  # fmt: skip
-}
+# test_hf's encoders; ModernBERT's layer 1 attends within +-2 tokens: the window bites on these lengths
+CONFIGS = {name: HF_CONFIGS[name] for name in ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert")}
+CONFIGS["modernbert"] = HF_CONFIGS["modernbert-local"]
 
 
 @pytest.fixture(autouse=True)

@@ -148,7 +148,11 @@ def test_dropout_trains_ragged_with_a_new_mask_each_call(dropout):
     against the fp64 reference in tests/test_backward_attention.py): both train ragged, draw a new mask each call,
     repeat under the same torch.manual_seed, and are off in eval mode."""
     kwargs, _ = _batch("right")
-    model = _model("bert", "AutoModelForSequenceClassification", **{dropout: 0.3})
+    _check_dropout(_model("bert", "AutoModelForSequenceClassification", **{dropout: 0.3}), kwargs)
+
+
+def _check_dropout(model, kwargs) -> None:
+    """Wrapped, in training: a new mask each call, the same under the same seed, a backward; in eval, none; ragged."""
     autoragged.wrap(model, db=False, policy="ragged")
     torch.manual_seed(5)
     a = model(**kwargs).logits
@@ -159,8 +163,7 @@ def test_dropout_trains_ragged_with_a_new_mask_each_call(dropout):
     a.sum().backward()
     model.eval()
     with torch.no_grad():
-        c, d = model(**kwargs).logits, model(**kwargs).logits
-    assert torch.equal(c, d)
+        assert torch.equal(model(**kwargs).logits, model(**kwargs).logits)
     assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
 
 
@@ -336,20 +339,7 @@ def test_a_module_path_decoder_draws_attention_dropout_in_the_kernel():
     config = MODULE_DECODERS["gpt2"]()
     config.attn_pdrop = 0.3
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
-    autoragged.wrap(model, db=False, policy="ragged")
-    kwargs = {**kwargs, "use_cache": False}
-    torch.manual_seed(5)
-    a = model(**kwargs).logits
-    b = model(**kwargs).logits
-    torch.manual_seed(5)
-    again = model(**kwargs).logits
-    assert not torch.equal(a, b) and torch.equal(a, again)
-    a.sum().backward()
-    model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(**kwargs).logits, model(**kwargs).logits)
-    assert all(arm == "ragged" for arm, _ in _arms(model)), _arms(model)
+    _check_dropout(transformers.AutoModelForCausalLM.from_config(config).train(), {**kwargs, "use_cache": False})
 
 
 def test_the_packed_format_attends_within_each_sequence():

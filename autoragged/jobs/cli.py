@@ -26,9 +26,9 @@ _FORMATS = (".jsonl", ".npy", ".parquet")
 _VECTOR_KINDS = ("mean", "cls", "pooler", "last_hidden", "last_logits")  # one vector per document
 _KINDS = ("mean", "cls", "pooler", "last_hidden", "last_logits", "token_logprobs", "hidden")
 _LM_KINDS = ("last_logits", "token_logprobs")  # need the model's LM head: AutoModelForCausalLM
-# Texts per chunk: 16384 texts of ~275 tokens are 4.5M tokens, some 300 bins of 16k, so run_job's cost per call (a
-# probe forward where the budget is measured, barriers) stays under 1%; only chunk 0's tokenization is not hidden
-# behind the GPU (7 s for those 4.5M tokens, BertTokenizerFast on 2 busy CPU cores), and it overlaps the model load.
+# Texts per chunk: 16384 texts of ~275 tokens are some 300 bins of 16k tokens, so a run_job call's own cost (a probe
+# forward where the budget is measured, a few barriers) is spread thin; only chunk 0's tokenization is not hidden
+# behind the GPU, and it overlaps the model load. Not tuned by a measurement.
 _CHUNK_TEXTS = 16384
 _MANIFEST = "chunks.json"  # the shard directory's record of how the input was chunked
 
