@@ -42,6 +42,7 @@ __all__ = [
     "add_layer_norm_values",
     "add_rms_norm_values",
     "rotary_values",
+    "rotary_pair_values",
     "silu_mul_values",
 ]
 
@@ -224,6 +225,19 @@ def rotary_values(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     if _recording(x, cos, sin):
         return k_rope.rotary_train(x, cos, sin)  # cos or sin requiring grad is an error there
     return k_rope.rotary(x, cos, sin)
+
+
+def rotary_pair_values(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_values` of a layer's queries and keys (rows, H, D) and (rows, Hkv, D) in one launch."""
+    k_rope.check_inputs(q, cos, sin)
+    k_rope.check_inputs(k, cos, sin)
+    if not use_triton(q):
+        return k_rope.rotary_ref(q, cos, sin), k_rope.rotary_ref(k, cos, sin)
+    if _recording(q, k, cos, sin):
+        return k_rope.rotary_pair_train(q, k, cos, sin)
+    return k_rope.rotary_pair(q, k, cos, sin)
 
 
 def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,8 @@ def add_rms_norm_backward(
     dr = None if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
     # two programs per SM (one row each of the partials): the partial sums are (programs, N), summed below
     programs = max(1, min(triton.cdiv(M, config.block_m), persistent_programs(x.device)))
-    dw = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
+    # every launched program writes its row of partials; with no rows there is no launch, and the sum is 0
+    dw = (torch.empty if M else torch.zeros)((programs, N), dtype=torch.float32, device=x.device)
     if M and N:
         _add_rms_norm_bwd_kernel[(programs,)](
             x, residual if residual is not None else x, weight, dy, dsum if dsum is not None else dy, dx,

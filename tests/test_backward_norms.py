@@ -156,6 +156,36 @@ def test_rotary_backward(device, dtype, rows, heads, dim, equal_halves):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, heads, kv_heads", [(1, 1, 1), (7, 5, 2), (33, 2, 3)])
+def test_rotary_pair_is_two_rotaries(device, dtype, rows, heads, kv_heads):
+    """One launch over a layer's queries and keys (strided views of one projection, any head counts, more key
+    heads than query heads too): each output the single-tensor kernel's to the bit, and their gradients within
+    PyTorch's own error of fp64."""
+    dim = 48
+    proj = torch.randn(rows, (heads + kv_heads) * dim + 3, dtype=torch.float64).to(dtype).to(device)
+    cos, sin = _rope_tables(rows, dim, False, dtype, device)
+
+    def split(t):  # (q, k): strided views of one projection's output, as a fused q/k/v product gives them
+        return t[:, 3 : 3 + heads * dim].unflatten(1, (heads, dim)), t[:, 3 + heads * dim :].unflatten(
+            1, (kv_heads, dim)
+        )
+
+    q, k = split(proj)
+    for got, want in zip(k_rope.rotary_pair(q, k, cos, sin), (k_rope.rotary(q, cos, sin), k_rope.rotary(k, cos, sin))):
+        assert torch.equal(got, want)
+    pair = ops.rotary_pair_values(*_leaves(q, k), cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(pair, k_rope.rotary_pair(q, k, cos, sin)))
+    assert all(t.grad_fn is not None for t in pair), "under autograd the pair takes the Function"
+    check_backward(
+        lambda t: k_rope.rotary_pair_train(*split(t), cos, sin),
+        lambda t: tuple(k_rope.rotary_ref(x, cos, sin) for x in split(t)),
+        lambda t: tuple(k_rope.rotary_ref(x, cos.double(), sin.double()) for x in split(t)),
+        [proj], ("q and k",), f"rotary pair {dtype} {rows}x{heads}+{kv_heads}",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_rotary_backward_has_pytorchs_bits(device):
     """fp32 in both (no truncating bf16 cast): the forward kernel run backwards rounds where autograd does."""
     x = torch.randn(7, 3, 80, device=device)

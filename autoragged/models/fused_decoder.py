@@ -107,7 +107,7 @@ def _attention(attn, h, shared: _Shared, window) -> torch.Tensor:
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:  # Qwen3: RMSNorm over each head's dim, before rotary
         q, k = (_head_norm(t, norm) for t, norm in ((q, q_norm), (k, attn.k_norm)))
-    q, k = ops.rotary_values(q, cos, sin), ops.rotary_values(k, cos, sin)
+    q, k = ops.rotary_pair_values(q, k, cos, sin)
     if sink is not None:
         sink(attn, k[None].transpose(1, 2), v[None].transpose(1, 2))  # (1, Hkv, rows, Dh), as HF hands them
     extra = {} if window is None else {"window": (window - 1, 0)}
