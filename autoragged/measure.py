@@ -200,6 +200,34 @@ class ArmRunner:
             kwargs["use_cache"] = False  # a scoring call: no KV cache is built
         return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
 
+    def train_step_runner(self, lengths: tuple[int, ...], seed: int = 0) -> Callable[[str], None]:
+        """A random right-padded batch of `lengths`, and `step(kind)`: the wrapped model's forward in train mode
+        with arm `kind` forced ("padded" or "ragged"), a loss, its backward, the gradients dropped (no optimizer:
+        the step's own cost is what `tune --train` prices)."""
+        self.encoder.train()
+        body = self.runtime.body
+        device, dtype = body.probe().device, body.probe().dtype
+        if not self.hf:
+            x, mask = make_batch(lengths, body.d_model, dtype, device, seed=seed)
+            forward = lambda: self.encoder(x, src_key_padding_mask=mask)  # noqa: E731
+        else:
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            keep = torch.arange(max(lengths))[None, :] < torch.tensor(list(lengths))[:, None]
+            vocab = self.module.config.vocab_size
+            ids = torch.randint(min(5, vocab - 1), vocab, keep.shape, generator=g)
+            kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
+                      "attention_mask": keep.long().to(device)}  # fmt: skip
+            if self.runtime.adapter.name == "hf_decoder":
+                kwargs["use_cache"] = False
+            forward = lambda: self.encoder(**kwargs).last_hidden_state  # noqa: E731
+
+        def step(kind: str) -> None:
+            with self.runtime.forcing(kind), torch.enable_grad():
+                forward().float().square().mean().backward()
+            self.encoder.zero_grad(set_to_none=True)
+
+        return step
+
     def run(self, arm: Arm, x: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...], stats: BatchStats):
         from .models.torch_encoder import TorchCall
 

@@ -14,6 +14,11 @@ A machine too slow or busy to measure what a fit needs (`learned.MIN_ROWS` measu
 measures on, for up to twice the budget; if it still has too few, wrapped models keep the analytic prior, the
 tuner says so in one line and exits 0.
 
+With --train it calibrates training instead: each batch's forward and backward (the model in train mode, a loss
+of its output) on the padded arm and the eager ragged arm, recorded as training costs. A wrapped model in
+training prices its arms by these from its first batch (the newest of each arm, with its own timings pushing them
+out), where it would otherwise start from the forward-only prediction alike for both. No cost model is fit.
+
 Ctrl-C stops between batches: what was measured is committed, and a rerun resumes the same plan.
 """
 
@@ -84,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  python -m autoragged.tune --quick            # about a minute (two at most when busy)\n"
         f"  python -m autoragged.tune --budget 10        # ten minutes (on a GPU: {gpu}; on a CPU: {cpu})\n"
         "  python -m autoragged.tune --refit            # refit from what is recorded (incl. traffic)\n"
-        "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5",
+        "  python -m autoragged.tune --model mypkg.models:make_encoder --budget 5\n"
+        "  python -m autoragged.tune --train --model hf-bert-base --budget 5   # training costs (forward + backward)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--budget", type=float, default=10.0, metavar="MINUTES",
@@ -94,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"a budget of one minute: one signature ({quick} on a GPU), fewer configs")  # fmt: skip
     p.add_argument("--refit", action="store_true", help="only refit the cost model from recorded measurements")
+    p.add_argument("--train", action="store_true",
+                   help="calibrate training instead: time each batch's forward and backward on the padded and the "
+                   "eager ragged arm (the model in train mode) and record them; a wrapped model in training starts "
+                   "its arms' prices from these (no cost model is fit)")  # fmt: skip
     p.add_argument("--model", metavar="SPEC", help="calibrate for your own model: MODULE:FACTORY (FACTORY() returns "
                    "an nn.Module holding nn.TransformerEncoder(s), an HF encoder or decoder; its device and dtype are "
                    "used as they are), or an HF config: a config.json path or one of the built-in shapes "
@@ -219,7 +229,7 @@ def _measure_item(ctx, runner, item: _PlanItem, trials, batch_id):
     from .planning.buckets import LADDER_VERSION, mask_width
     from .planning.costmodel import PADDED, Arm
     from .planning.planner import default_ragged_config, graph_config
-    from .tuning_db import BatchStats, Measurement
+    from .tuning_db import BatchStats
     from .workloads import sample
 
     sig, family = runner.sig, item.family
@@ -260,25 +270,80 @@ def _measure_item(ctx, runner, item: _PlanItem, trials, batch_id):
         if a.config is not None and a.config not in ctx.registered:
             ctx.db.register_config(a.kind, a.config.to_dict())
             ctx.registered.add(a.config)
-    now = time.time()
     return [
-        Measurement(
-            ctx.key.key,
-            sig.key,
+        _measurement(
+            ctx,
+            sig,
             a.kind,
-            None if a.config is None else a.config.to_dict(),
+            a.config,
             stats,
-            t.median_ms,
-            t.p10_ms,
-            t.p90_ms,
-            t.reps,
-            now,
-            source="tune",
-            distribution=family,
-            extra={"batch_id": batch_id, **({"ladder": LADDER_VERSION} if a.graph else {})},
-        )  # fmt: skip
+            t,
+            family,
+            {"batch_id": batch_id, **({"ladder": LADDER_VERSION} if a.graph else {})},
+        )
         for a, t in zip(arms, timings)
     ]
+
+
+def _measurement(ctx, sig, kind: str, config, stats, timing, family: str, extra: dict):
+    """The tuning database's row of one arm's `timing` on a plan batch."""
+    from .tuning_db import Measurement
+
+    return Measurement(ctx.key.key, sig.key, kind, None if config is None else config.to_dict(), stats,
+                       timing.median_ms, timing.p10_ms, timing.p90_ms, timing.reps, time.time(), source="tune",
+                       distribution=family, extra=extra)  # fmt: skip
+
+
+def _measure_train_item(ctx, runner, item: _PlanItem, batch_id: str):
+    """Time the plan's batch `item` as a training step (forward and backward) on the padded arm and the eager
+    ragged arm, each stored with the forward-only prediction the runtime prices it with (`Scales.seed`)."""
+    from .measure import time_close_calls
+    from .planning.planner import default_ragged_config
+    from .tuning_db import BatchStats
+    from .workloads import sample
+
+    sig = runner.sig
+    rng = np.random.default_rng(item.seed)
+    lengths = tuple(sample(item.family, item.batch, item.max_len, rng))
+    stats = BatchStats.from_lengths(lengths)
+    step = runner.train_step_runner(lengths, seed=item.seed)
+    kinds = ("padded", "ragged")
+    on_gpu = ctx.device.type == "cuda"
+    timings = time_close_calls([lambda k=k: step(k) for k in kinds], ctx.device, reps=7 if on_gpu else 3,
+                               extra_reps=0)  # fmt: skip
+    predicted = runner.runtime.predicted_ms(ctx.device, stats)
+    config = default_ragged_config(sig.d_model // sig.heads, stats.max_len)
+    return [
+        _measurement(
+            ctx,
+            sig,
+            kind,
+            None if kind == "padded" else config,
+            stats,
+            t,
+            item.family,
+            {"batch_id": batch_id, "train": True, "predicted": predicted[kind]},
+        )
+        for kind, t in zip(kinds, timings)
+    ]
+
+
+def _print_training(db, key) -> None:
+    """What a wrapped model in training will start from: per module and arm, its recorded training costs (the
+    tuner's and traffic's) over the forward-only prediction each was priced against."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for m in db.measurements(device=key.key):
+        if m.extra.get("train"):
+            ratio = m.median_ms / m.extra["predicted"] if m.extra.get("predicted") else None
+            groups.setdefault((m.signature, m.arm), []).append(ratio)
+    print(f"\ntraining costs for {key.key} (forward and backward; a wrapped model in training starts its prices "
+          "from the newest of each arm)")  # fmt: skip
+    print("  | module | arm | batches | measured / predicted forward, median |")
+    print("  |---|---|---|---|")
+    for (signature, arm), ratios in sorted(groups.items()):
+        known = [r for r in ratios if r is not None]
+        median = f"{float(np.median(known)):.2f}" if known else "-"
+        print(f"  | {signature} | {arm} | {len(ratios)} | {median} |")
 
 
 class _Context:
@@ -370,6 +435,7 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
     trials = args.trials if args.trials is not None else ((1 if args.quick else 2) if on_gpu else 0)
     ctx = _Context(db, device, key)
     plan_name = f"v3|seed{args.seed}|{'quick' if args.quick else 'full'}|{'+'.join(s.key for s in sigs)}"
+    plan_name = f"train|{plan_name}" if args.train else plan_name
     done = db.done_items(key.key, plan_name)
     rows = len(db.measurements(device=key.key))  # the fit takes every measurement of this device
     total_s = args.budget * 60 if not args.quick else min(args.budget * 60, 60.0)
@@ -390,8 +456,8 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
                 capped = True
                 break
             if not _time_to_measure(total_s, setup_s, elapsed, rows, slowest):
-                if not _time_to_overrun(total_s, setup_s, elapsed, rows, slowest):
-                    break
+                if args.train or not _time_to_overrun(total_s, setup_s, elapsed, rows, slowest):
+                    break  # (training costs need no fit: the budget is the budget)
                 if not overrun:
                     overrun = True
                     log.info("the budget is spent with %d measurements, fewer than a fit needs: measuring on, "
@@ -403,7 +469,10 @@ def _measure(args, db, device, key) -> tuple[int, bool, bool]:
             sig = sigs[slot]
             began = time.monotonic()
             try:
-                new = _measure_item(ctx, runners[slot], planned, trials, f"{plan_name}|{item}")
+                if args.train:
+                    new = _measure_train_item(ctx, runners[slot], planned, f"{plan_name}|{item}")
+                else:
+                    new = _measure_item(ctx, runners[slot], planned, trials, f"{plan_name}|{item}")
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 log.info(
@@ -509,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget <= 0:
         log.error("--budget must be positive, got %s", args.budget)
         return 2
+    if args.train and args.refit:
+        log.error("--train measures training costs and --refit only refits the forward cost model: pass one")
+        return 2
     import torch
 
     from .tuning_db import DatabaseError, TuningDB
@@ -539,6 +611,9 @@ def _run(args, db, device, started: float) -> int:
         log.info("measured %d batches in %.0f s", measured, time.monotonic() - t0)
         if interrupted:
             return 130
+        if args.train:
+            _print_training(db, key)
+            return 0
     return _fit_and_store(db, key, args.refit, args.max_batches if capped else None)
 
 

@@ -135,8 +135,8 @@ def test_a_trial_whose_graph_cannot_be_captured_is_dropped():
 
 
 def test_an_arms_cost_is_its_recent_timings_however_many_came_before():
-    """Devices and streams drift: the cost is the median of an arm's last _WINDOW timings. The graph ran slowly for
-    20 batches, then fast for _WINDOW: it is the fast arm again (the median of all its timings says 0.6)."""
+    """Devices and streams drift: the cost is the median of an arm's last WINDOW timings. The graph ran slowly for
+    20 batches, then fast for WINDOW: it is the fast arm again (the median of all its timings says 0.6)."""
     state = ShapeState()
     for _ in range(MIN_SAMPLES):
         observe(state, "padded", 0.45)
@@ -144,7 +144,7 @@ def test_an_arms_cost_is_its_recent_timings_however_many_came_before():
         observe(state, "ragged_graph", 0.6)
     predicted = {"padded": 1.0, "ragged_graph": 1.0}
     assert run(state, predicted).kind == "padded"
-    for _ in range(policy._WINDOW):
+    for _ in range(policy.WINDOW):
         observe(state, "ragged_graph", 0.3)
     assert policy.costs(state, predicted)["ragged_graph"] == 0.3
     assert run(state, predicted).kind == "ragged_graph"

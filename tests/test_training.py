@@ -184,6 +184,51 @@ def test_the_policy_times_a_training_batch_forward_and_backward(tmp_path):
     assert sum(len(samples) for samples in state.timed.values()) == 6
 
 
+def _first_training_arm(model, kwargs) -> str:
+    model(**kwargs).logits.sum().backward()
+    return autoragged.recent_decisions(model, 1)[0].arm
+
+
+def test_training_prices_start_from_the_recorded_training_costs(tmp_path):
+    """Timed training batches are stored with the forward-only prediction each was priced against; a model wrapped
+    later on the same database starts its training prices from them (`tune --train` stores the same), so where
+    they say the ragged arm's step costs 40 times its prediction and the padded arm's 1, its first training batch
+    runs padded, where a model without them runs the arm the bare prediction ranks first (ragged)."""
+    from autoragged.tuning_db import BatchStats, Measurement, TuningDB
+
+    from autoragged.planning.device import device_key
+    from autoragged.runtime.recorder import RECORDER
+
+    db = tmp_path / "t.sqlite"
+    plain = _model("bert", "AutoModelForSequenceClassification")
+    kwargs, _ = _batch("right", (9, 1, 1, 1))  # 75% padding: the prior ranks the ragged arm first
+    model = autoragged.wrap(copy.deepcopy(plain), db=db, sample_every=1)
+    for _ in range(4):
+        model(**kwargs).logits.sum().backward()
+    runtime = model.bert._autoragged
+    runtime.harvest(wait=True)
+    RECORDER.flush()
+    key, sig = device_key(torch.device("cpu")), runtime.sig
+    with TuningDB.open(db) as tdb:
+        rows = [m for m in tdb.measurements(device=key.key, signature=sig.key) if m.extra.get("train")]
+    assert len(rows) == 4 and all(m.extra["predicted"] > 0 for m in rows), [m.extra for m in rows]
+    again = autoragged.wrap(copy.deepcopy(plain), db=db)
+    seeded = again.bert._autoragged.train_scales.ratios
+    for kind in {m.arm for m in rows}:
+        want = [m.median_ms / m.extra["predicted"] for m in rows if m.arm == kind]
+        assert list(seeded[kind]) == pytest.approx(want)
+
+    assert _first_training_arm(autoragged.wrap(copy.deepcopy(plain), db=False), kwargs) == "ragged"
+    stats = BatchStats.from_lengths((9, 1, 1, 1))
+    costs = [Measurement(key.key, sig.key, arm, None, stats, ratio, ratio, ratio, 1, 1.0, source="tune",
+                         extra={"train": True, "predicted": 1.0}) for arm, ratio in (("padded", 1.0), ("ragged", 40.0))]  # fmt: skip
+    other = tmp_path / "costs.sqlite"
+    with TuningDB.open(other) as tdb:
+        tdb.register_device(key)
+        tdb.add_measurements(costs)
+    assert _first_training_arm(autoragged.wrap(copy.deepcopy(plain), db=other), kwargs) == "padded"
+
+
 def test_training_under_autocast_matches_the_original_under_autocast():
     """float32 weights, bfloat16 autocast (the usual fine-tuning setup): the linears and attention in bfloat16, the
     residual stream and LayerNorms in float32, as the original's; gradients within twice the original's own error."""

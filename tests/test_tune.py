@@ -745,3 +745,31 @@ def test_refit_with_too_few_measurements_is_an_error(tuned, tmp_path, capsys):
         db.add_measurements(few)
     assert _run_tune(tmp_path, "--refit") == 1
     assert "only 6 usable measurements" in capsys.readouterr().err
+
+
+def test_train_mode_records_training_costs_that_a_wrapped_model_in_training_starts_from(tmp_path, capsys):
+    """`--train`: each batch's forward and backward on both arms, stored as training measurements with the
+    prediction the runtime prices them against; no cost model is fit; the printout gives each arm's ratio; a model of
+    that signature wrapped on the database starts its training prices (not its inference ones) from them."""
+    assert _run_tune(tmp_path, "--train", "--max-batches", "3", "--budget", "2") == 0
+    key = device_key("cpu").key
+    with TuningDB.open(tmp_path / "t.sqlite") as db:
+        rows = db.measurements(device=key)
+        assert db.latest_model(key, feature_version=FEATURE_VERSION) is None
+    assert len(rows) == 6 and {r.arm for r in rows} == {"padded", "ragged"}
+    assert all(r.extra["train"] and r.extra["predicted"] > 0 and r.source == "tune" for r in rows)
+    out = capsys.readouterr().out
+    assert "training costs for" in out and "| padded | 3 |" in out and "| ragged | 3 |" in out
+    enc = tune.SIGNATURES["cpu-small"]
+    layer = torch.nn.TransformerEncoderLayer(enc.d_model, enc.heads, enc.ff, dropout=0.0, batch_first=True)
+    model = autoragged.wrap(torch.nn.TransformerEncoder(layer, enc.layers), db=tmp_path / "t.sqlite")
+    runtime = model._autoragged
+    for kind in ("padded", "ragged"):
+        want = [r.median_ms / r.extra["predicted"] for r in rows if r.arm == kind]
+        assert list(runtime.train_scales.ratios[kind]) == pytest.approx(want)
+    assert not runtime.scales.ratios  # inference prices are not training ones
+
+
+def test_train_and_refit_together_are_refused(tmp_path, capsys):
+    assert _run_tune(tmp_path, "--train", "--refit") == 2
+    assert "pass one" in capsys.readouterr().err

@@ -422,6 +422,18 @@ class TuningDB:
             rows = db["measurements"].rows_where(where, args, order_by="time, id")
             return self._decoded("measurements", rows, measurement_from, skipped, check=check)
 
+    def training_measurements(
+        self, device: str | DeviceKey, signature: str | ModuleSignature, arm: str, limit: int,
+        skipped: Skipped | None = None,
+    ) -> list[Measurement]:  # fmt: skip
+        """The newest `limit` training measurements (a forward and its backward: extra "train") of one arm of one
+        module on one device, oldest first (what a wrapped model in training starts its prices from)."""
+        where, args = _where(device=device, signature=signature, arm=arm)
+        where += " AND json_extract(extra, '$.train') = 1"
+        with self._use("reading training measurements") as db:
+            rows = db["measurements"].rows_where(where, args, order_by="time DESC, id DESC", limit=limit)
+            return self._decoded("measurements", rows, measurement_from, skipped)[::-1]
+
     def add_decisions(self, decisions: Iterable[Decision], *, skipped: list[tuple[Decision, str]] | None = None) -> int:
         """Append decisions in one transaction (the runtime's flush); returns the number of rows written.
 

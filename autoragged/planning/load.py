@@ -58,3 +58,33 @@ def load_planner_inputs(db_path: Path | None, device: DeviceKey, sig: ModuleSign
         log.warning("autoragged: using the analytic prior: the cost model in models row %s of %s is unusable: %s; %s",
                     record.id, db_path, e, _REMEDY)  # fmt: skip
         return None
+
+
+def load_training_ratios(db_path: Path | None, device: DeviceKey, sig: ModuleSignature, per_arm: int) -> dict:
+    """Per arm kind ("padded", "ragged"), the measured / predicted ratios of the newest `per_arm` training
+    measurements of `sig` on `device` (`tune --train`'s and earlier runs' timed training batches, each stored with
+    the forward-only prediction it was priced against), oldest first; {} without a usable database. Rows that
+    cannot be read are left out; reading never fails a forward."""
+    if db_path is None or not db_path.exists():
+        return {}
+    from ..runtime.recorder import RECORDER
+    from ..tuning_db import Skipped
+
+    db = RECORDER.usable_db(db_path)
+    if db is None:
+        return {}
+    out = {}
+    try:
+        for kind in ("padded", "ragged"):
+            rows = db.training_measurements(device.key, sig.key, kind, per_arm, skipped=Skipped())
+            ratios = [m.median_ms / p for m in rows if _positive(p := m.extra.get("predicted")) and m.median_ms > 0]
+            if ratios:
+                out[kind] = ratios
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, a forward must not fail on reading it
+        log.warning("autoragged: training costs start from the analytic prior: cannot read %s: %s", db_path, e)
+        return {}
+    return out
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")

@@ -550,7 +550,10 @@ class Runtime:
                 scales = self.scales if backward is None else self.train_scales
                 scales.observe(timed.kind, ms, record.predicted_ms.get(timed.kind, math.inf), timed.host_ms)
             config = None if record.arm.config is None else record.arm.config.to_dict()
-            extra = {"ladder": LADDER_VERSION} if record.arm.graph else {"train": True} if backward is not None else {}
+            extra = {"ladder": LADDER_VERSION} if record.arm.graph else {}
+            if backward is not None:  # with the forward-only prediction it was priced against (`Scales.seed`)
+                predicted = record.predicted_ms.get(timed.kind, math.inf)
+                extra = {"train": True, **({"predicted": predicted} if 0 < predicted < math.inf else {})}
             measurement = Measurement(record.device.key, record.signature, record.arm.kind, config, record.stats,
                                       ms, ms, ms, 1, record.time, source="runtime", extra=extra)  # fmt: skip
             self._record(record, measurement)
@@ -596,15 +599,21 @@ class Runtime:
         return self.pads_ring
 
     # -- the module's state, cached --------------------------------------------------------------------
+    def predicted_ms(self, device: torch.device, stats: BatchStats) -> dict[str, float]:
+        """Each arm kind's predicted ms for a right-padded batch of `stats`, as `_decide` prices one."""
+        return self._planner(device).predict(stats, mask_width(stats.max_len)).ms
+
     def _planner(self, device: torch.device) -> Planner:
         planner = self.planners.get(device)
         if planner is None:
-            from ..planning.load import load_planner_inputs
+            from ..planning.load import load_planner_inputs, load_training_ratios
 
             key = device_key(device)
             learned = load_planner_inputs(self.db_path, key, self.sig)
             model, shortlist = learned if learned is not None else (AnalyticPrior(key), None)
             planner = self.planners[device] = Planner(self.sig, model, shortlist)
+            # training prices start from this device's recorded training costs (`tune --train`, earlier runs)
+            self.train_scales.seed(load_training_ratios(self.db_path, key, self.sig, policy.WINDOW))
         return planner
 
     def _param(self) -> torch.Tensor:

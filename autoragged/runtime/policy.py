@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from ..tuning_db import BatchStats
 
-__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "TRY_WITHIN", "MIN_SAMPLES"]
+__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "TRY_WITHIN", "MIN_SAMPLES", "WINDOW"]
 
 # An arm predicted within this factor of the running one is worth timing: the prior leaves out most host time,
 # and a stream pays every arm tried (HF's padded forward took 549 ms at its first run on a new shape where the
@@ -38,7 +38,7 @@ __all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "observe", "T
 TRY_WITHIN = 1.3
 MIN_SAMPLES = 3  # timings before an arm's cost is its own: the median of three outlasts one delayed batch
 RETRY_EVERY = 512  # batches of a shape between fresh timings of its runner-up: devices and streams drift
-_WINDOW = 8  # timings kept per arm
+WINDOW = 8  # timings kept per arm
 
 
 class ShapeKey(NamedTuple):
@@ -93,9 +93,15 @@ class Scales:
         every = [r for ratios in self.ratios.values() for r in ratios]
         return statistics.median(every) if every else None
 
+    def seed(self, ratios: dict[str, list[float]]) -> None:
+        """Start each arm kind's ratios from earlier measurements (oldest first): new timings push them out."""
+        for kind, values in ratios.items():
+            if values and kind not in self.ratios:
+                self.ratios[kind] = deque(values[-WINDOW:], maxlen=WINDOW)
+
     def observe(self, kind: str, ms: float, predicted: float, host_ms: float) -> None:
         if 0 < predicted < math.inf:
-            self.ratios.setdefault(kind, deque(maxlen=_WINDOW)).append(ms / predicted)
+            self.ratios.setdefault(kind, deque(maxlen=WINDOW)).append(ms / predicted)
         self.host_ms[kind] = min(host_ms, self.host_ms.get(kind, math.inf))
 
     def estimate(self, kind: str, predicted: float, shape_scale: float) -> float:
@@ -175,5 +181,5 @@ def observe(state: ShapeState, kind: str, ms: float) -> None:
     """A timing of `kind` on a batch of this shape."""
     samples = state.timed.get(kind)
     if samples is None:
-        samples = state.timed[kind] = deque(maxlen=_WINDOW)
+        samples = state.timed[kind] = deque(maxlen=WINDOW)
     samples.append(ms)
