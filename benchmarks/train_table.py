@@ -39,6 +39,7 @@ at most packed's, loss within bf16's own error. Appends a line to benchmarks/res
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import pathlib
 import sys
@@ -269,6 +270,9 @@ def sft_row(plain, name: str, docs: int, device, args) -> dict:
         row[f"{col}_loss_diff"] = abs(row[f"{col}_loss"] - row["padded_loss"])
     race(columns, row, device)
     del columns
+    gc.collect()  # the next row starts with this row's models, optimizer states and graphs freed
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 

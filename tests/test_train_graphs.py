@@ -1,0 +1,69 @@
+"""Training graphs' host side (graphs/train.py), on the CPU: the keys, the static layout a replay fills, and which
+calls a graph may replay. Their replays are tested on the GPU (test_train_graphs_cuda.py)."""
+
+import numpy as np
+import pytest
+import torch
+from autoragged.kernels import ragged_attention_backward as k_attn_bwd
+
+from autoragged.graphs import train as train_graphs
+from autoragged.models import fused_decoder
+from autoragged.ragged.layout import Layout
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_keys_round_rows_up_and_keep_a_component_for_the_spare_rows():
+    assert train_graphs.graph_key(1, 1) == (512, 16)
+    assert train_graphs.graph_key(512, 15) == (512, 16)  # 15 sequences and the spare rows' component
+    assert train_graphs.graph_key(513, 16) == (1024, 32)
+    assert train_graphs.graph_key(8192, 40) == (8192, 64)
+
+
+def test_the_static_layout_holds_the_batch_the_spare_rows_and_exiting_programs():
+    key, blocks = train_graphs.TrainGraphKey(256, 16), (32, 64)  # (any rows: the layout takes the key as given)
+    meta = train_graphs.static_meta((3, 70, 1), key, blocks)
+    layout = train_graphs._StaticLayout(torch.from_numpy(meta), key, blocks)
+    offsets, lengths = (t.numpy() for t in layout.device_meta("cpu"))
+    want = np.array([3, 70, 1, 182] + [0] * 12)
+    assert (lengths == want).all() and (offsets == np.concatenate([[0], np.cumsum(want)])).all()
+    for bm in blocks:
+        grid, block_offsets = (t.numpy() for t in layout.prelude(bm, "cpu"))
+        counts = -(-want // bm)
+        assert (block_offsets == np.concatenate([[0], np.cumsum(counts)])).all()
+        real = int(counts.sum())
+        assert (grid[:real] == np.repeat(np.arange(16), counts)).all() and (grid[real:] == -1).all()
+        assert len(grid) == 256 // bm + 16  # room for any batch of the key
+    with pytest.raises(ValueError, match="prelude"):
+        layout.prelude(128, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        train_graphs.static_meta((200, 100), key, blocks)
+    with pytest.raises(ValueError, match="do not fit"):
+        train_graphs.static_meta((1,) * 16, key, blocks)
+    assert k_attn_bwd.backward_config(64, key.rows).block_m in blocks
+
+
+def _stack(**extra):
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, **extra)  # fmt: skip
+    model = transformers.Qwen2Model(config).train()
+    return fused_decoder.DecoderStack(list(model.layers), model.norm, lambda attn: None), model
+
+
+def test_only_calls_a_replay_repeats_exactly_are_graphed():
+    stack, model = _stack()
+    x, layout = torch.zeros(4, 32), Layout.make((3, 1))
+    assert fused_decoder.why_not_graphed(stack, x, layout) == "not a CUDA training call"
+    fake_cuda = type("T", (), {"is_cuda": True, "device": torch.device("cpu")})()
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) is None
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, Layout.make((3, 1), align=16)) == (
+        "not a canonical packed layout"
+    )
+    with torch.no_grad():
+        assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "not a CUDA training call"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "autocast"
+    dropped, _ = _stack(attention_dropout=0.1)
+    assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) == "attention dropout"
+    model.gradient_checkpointing_enable()
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "gradient checkpointing"
