@@ -67,3 +67,48 @@ def test_only_calls_a_replay_repeats_exactly_are_graphed():
     assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) == "attention dropout"
     model.gradient_checkpointing_enable()
     assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "gradient checkpointing"
+
+
+class _FakeGraph:
+    """Stands for a captured graph (the capture needs a GPU): serves its parameters while they are these."""
+
+    def __init__(self, params):
+        self.params, self.generation = list(params), 0
+
+    def serves(self, params) -> bool:
+        return len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+
+
+def test_a_key_is_captured_once_it_recurs_at_most_max_graphs_and_again_when_its_parameters_change(monkeypatch):
+    stack, model = _stack()
+    holder = train_graphs.StackModule(lambda *a: None, [*stack.layers, stack.final_norm])
+    graphs = train_graphs.TrainGraphs(holder)
+    captured = []
+
+    def capture(holder, key, config, head_dim, x):
+        captured.append(key)
+        graphs.graphs[key] = graph = _FakeGraph(holder.trained())
+        return graph
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(train_graphs._Replay, "apply", staticmethod(lambda graph, *rest: graph))
+    x, tables = torch.zeros(300, 32), (torch.zeros(300, 16), torch.zeros(300, 16))
+
+    def run(rows):
+        return graphs.run(x[:rows], (rows,), None, 16, *(t[:rows] for t in tables))
+
+    assert run(300) is None and not captured  # seen once: eager
+    first = run(300)
+    assert isinstance(first, _FakeGraph) and captured == [(512, 16)]  # seen again: captured, replayed
+    assert run(200) is first and len(captured) == 1  # the same key
+    keys = [1000, 1600, 2100]  # three more keys, each twice
+    for rows in keys:
+        x, tables = torch.zeros(rows, 32), (torch.zeros(rows, 16), torch.zeros(rows, 16))
+        run(rows), run(rows)
+    assert len(captured) == train_graphs.MAX_GRAPHS  # the rest run eagerly
+    model.layers[0].mlp.up_proj.weight.requires_grad_(False)  # the graphed parameters changed: captured anew
+    x, tables = torch.zeros(300, 32), (torch.zeros(300, 16), torch.zeros(300, 16))
+    assert run(300) is not first and len(captured) == train_graphs.MAX_GRAPHS + 1
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert run(300) is None  # nothing to train: eager

@@ -39,7 +39,7 @@ log = logging.getLogger("autoragged")
 
 ROW_STEP = 512  # a graph's rows: the batch's rows rounded up to this (the spare rows cost their linears)
 RECUR = 2  # batches of a key before it is captured: a shape seen once may never come back
-MAX_GRAPHS = 2  # per stack: each keeps its rows' activations and the gradients (3.3 GB at 2,560 rows of a 0.5B model)
+MAX_GRAPHS = 2  # per stack: each keeps its rows' activations and a copy of the stack's gradients
 MEMORY_LEFT = 0.25  # a capture leaves at least this share of the GPU's memory free (the graphs' size known so far)
 MIN_COMPONENTS = 16
 

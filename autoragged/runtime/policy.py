@@ -7,7 +7,8 @@ runtime keeps a `ShapeState`, and one rule decides:
    kernel or ran beside a graph's warm-up is no timing), or, until it has one, the cost model's prediction scaled by
    how far the model was off for that arm on the module's other shapes, else on the arms this shape has timed (in
    training, else on the arms the module has timed), and never less than the host time its calls took on any shape
-   of the module (`Scales`).
+   of the module (`Scales`). Training's start from the device's recorded training costs (`tune --train`, earlier
+   processes' timed training batches), which the module's own timings push out.
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
    of the background worker (graphs/worker.py), and runs once it is there.
 3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
