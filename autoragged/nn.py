@@ -19,7 +19,7 @@ from torch import nn
 from .kernels._config import KernelConfig
 from .kernels.ragged_attention import HEAD_DIMS
 from .models.encoder import Dropouts, EncoderLayerSpec, encoder_values, linear_config
-from .ops import attention_values, linear_values
+from .ops import CAUSAL, FULL, attention_values, linear_values
 from .ragged.layout import Layout
 from .ragged.tensor import RaggedTensor, zero_gaps
 
@@ -128,7 +128,7 @@ def mha_values(
     lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin, live=live, rows=tiles)
     q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
-    a = attention_values(q, k, v, layout, causal=causal, config=config)
+    a = attention_values(q, k, v, layout, window=CAUSAL if causal else FULL, config=config)
     return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin, live=live, rows=tiles)
 
 

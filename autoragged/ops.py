@@ -37,6 +37,8 @@ __all__ = [
     "ragged_bmm",
     "ragged_add_layer_norm",
     "attention_values",
+    "FULL",
+    "CAUSAL",
     "linear_values",
     "bmm_values",
     "add_layer_norm_values",
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 _ACT_CODE = {act: code for code, act in k_lin.ACTIVATION_CODES.items()}
+FULL = (-1, -1)  # attention windows (`attention_values`): every key of the component
+CAUSAL = (-1, 0)  # the keys up to the query's own
 
 
 def _compiling(t: torch.Tensor) -> bool:
@@ -65,19 +69,22 @@ def attention_values(
     v: torch.Tensor,
     layout: Layout,
     *,
-    causal: bool = False,
+    window: tuple[int, int] = FULL,
     scale: float | None = None,
     config: KernelConfig | None = None,
-    window: tuple[int, int] = (-1, -1),
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """q (rows, H, Dh), k and v (rows, Hkv, Dh) values of `layout`, Hkv dividing H; returns (rows, H, Dh),
-    gap rows unspecified. `window` (left, right), -1 unbounded: see `kernels.ragged_attention`. A layout with
+    gap rows unspecified. `window` (left, right): query i sees keys i - left <= j <= i + right of its component,
+    -1 unbounded (`FULL`); right = 0 is causal attention (`CAUSAL`; with a left bound, a causal sliding window). A
+    layout with
     `key_lengths` (a first-token pooler's column 0 as a query row: `Layout.with_query_rows`, or a CUDA graph fed
     a mask) has query-only rows past them. `dropout`: drop probability of the attention probabilities (training;
     the mask's seed comes from PyTorch's CPU generator, so `torch.manual_seed` repeats it)."""
     k_attn.check_inputs(q, k, v)
     left, right = k_attn.check_window(window)
+    causal = right == 0  # the kernels' causal variants (the plain causal one where nothing bounds the left)
+    right = k_attn.UNBOUNDED if causal else right
     key_lengths = getattr(layout, "key_lengths", None)
     drop = k_attn.Dropout(float(dropout), int(torch.randint(0, 2**31 - 1, ()))) if dropout else None
     if not use_triton(q):
@@ -288,8 +295,15 @@ def ragged_attention(
     _same_layout("ragged_attention", q, k, v)
     if q.values.dim() != 3:
         raise ValueError(f"ragged_attention: values must be (T, H, Dh), got {tuple(q.values.shape)}")
+    left, right = k_attn.check_window(window)
     out = attention_values(
-        q.values, k.values, v.values, q.layout, causal=causal, scale=scale, config=config, window=window
+        q.values,
+        k.values,
+        v.values,
+        q.layout,
+        window=(left, 0) if causal else (left, right),
+        scale=scale,
+        config=config,
     )
     return q.with_values(zero_gaps(out, q.layout))
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels._config import KernelConfig
-from ..ops import add_layer_norm_values, attention_values, linear_values
+from ..ops import CAUSAL, FULL, add_layer_norm_values, attention_values, linear_values
 from ..ragged.layout import Layout
 
 __all__ = [
@@ -102,7 +102,8 @@ def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, 
     else:
         q, k, v = (_linear(x, linear, None, lin, live, tiles).view(rows, H, D // H) for linear in spec.qkv)
     drop = spec.dropout.probs if training else 0.0
-    a = attention_values(q, k, v, layout, causal=causal, scale=spec.scale, config=config, dropout=drop)
+    window = CAUSAL if causal else FULL
+    a = attention_values(q, k, v, layout, window=window, scale=spec.scale, config=config, dropout=drop)
     return _dropout(_linear(a.view(rows, D), spec.out, None, lin, live, tiles), spec.dropout.attn_out, training)
 
 

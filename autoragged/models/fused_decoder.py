@@ -110,10 +110,9 @@ def _attention(attn, h, shared: _Shared, window) -> torch.Tensor:
     q, k = ops.rotary_pair_values(q, k, cos, sin)
     if sink is not None:
         sink(attn, k[None].transpose(1, 2), v[None].transpose(1, 2))  # (1, Hkv, rows, Dh), as HF hands them
-    extra = {} if window is None else {"window": (window - 1, 0)}
-    if attn.training and getattr(attn, "attention_dropout", 0.0):
-        extra["dropout"] = attn.attention_dropout
-    out = ops.attention_values(q, k, v, layout, causal=True, scale=attn.scaling, config=kernel_config, **extra)
+    keys = ops.CAUSAL if window is None else (window - 1, 0)
+    dropout = attn.attention_dropout if attn.training and getattr(attn, "attention_dropout", 0.0) else 0.0
+    out = ops.attention_values(q, k, v, layout, window=keys, scale=attn.scaling, config=kernel_config, dropout=dropout)
     return _linear(attn.o_proj, out.reshape(rows, -1))
 
 

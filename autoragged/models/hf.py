@@ -70,11 +70,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         sink(module, key, value)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (rows, heads, Dh) views, no copies
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
-    window = None if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
-    extra = {} if window is None else {"window": window}
-    if dropout:  # (HF passes the module's probability in training, 0 in eval)
-        extra["dropout"] = float(dropout)
-    out = attention_values(q, k, v, layout, causal=causal, scale=scaling, config=config, **extra)
+    left = -1 if sliding_window is None else sliding_window - 1
+    window = (left, 0 if causal else left)
+    # (HF passes the module's dropout probability in training, 0 in eval)
+    out = attention_values(q, k, v, layout, window=window, scale=scaling, config=config, dropout=float(dropout or 0.0))
     return out[None], None
 
 
