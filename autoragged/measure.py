@@ -188,17 +188,20 @@ class ArmRunner:
         if not self.hf:
             x, mask = make_batch(lengths, body.d_model, dtype, body.probe().device, seed=seed)
             return lambda arm: self.run(arm, x, mask, lengths, stats)
-        device = body.probe().device
+        kwargs = self._hf_kwargs(lengths, seed)
+        return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
+
+    def _hf_kwargs(self, lengths: tuple[int, ...], seed: int) -> dict:
+        """Random right-padded token ids of `lengths` and their mask on the model's device (a decoder: no cache)."""
         g = torch.Generator(device="cpu").manual_seed(seed)
-        L = max(lengths)
-        keep = torch.arange(L)[None, :] < torch.tensor(list(lengths))[:, None]
-        vocab = self.module.config.vocab_size
-        ids = torch.randint(min(5, vocab - 1), vocab, (len(lengths), L), generator=g)
+        keep = torch.arange(max(lengths))[None, :] < torch.tensor(list(lengths))[:, None]
+        vocab, device = self.module.config.vocab_size, self.runtime.body.probe().device
+        ids = torch.randint(min(5, vocab - 1), vocab, keep.shape, generator=g)
         kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
                   "attention_mask": keep.long().to(device)}  # fmt: skip
         if self.runtime.adapter.name == "hf_decoder":
             kwargs["use_cache"] = False  # a scoring call: no KV cache is built
-        return lambda arm: self.run_call(arm, self.hf_call(kwargs), lengths, stats)
+        return kwargs
 
     def train_step_runner(self, lengths: tuple[int, ...], seed: int = 0) -> Callable[[str], None]:
         """A random right-padded batch of `lengths`, and `step(kind)`: the wrapped model's forward in train mode
@@ -211,14 +214,7 @@ class ArmRunner:
             x, mask = make_batch(lengths, body.d_model, dtype, device, seed=seed)
             forward = lambda: self.encoder(x, src_key_padding_mask=mask)  # noqa: E731
         else:
-            g = torch.Generator(device="cpu").manual_seed(seed)
-            keep = torch.arange(max(lengths))[None, :] < torch.tensor(list(lengths))[:, None]
-            vocab = self.module.config.vocab_size
-            ids = torch.randint(min(5, vocab - 1), vocab, keep.shape, generator=g)
-            kwargs = {"input_ids": ids.masked_fill(~keep, self.module.config.pad_token_id or 0).to(device),
-                      "attention_mask": keep.long().to(device)}  # fmt: skip
-            if self.runtime.adapter.name == "hf_decoder":
-                kwargs["use_cache"] = False
+            kwargs = self._hf_kwargs(lengths, seed)
             forward = lambda: self.encoder(**kwargs).last_hidden_state  # noqa: E731
 
         def step(kind: str) -> None:
