@@ -154,7 +154,7 @@ def recent_decisions(model: nn.Module, n: int = 100) -> list[Decision]:
 
 def graph_stats(model: nn.Module) -> dict:
     """{module name: `GraphStats`} for every wrapped module in `model`: CUDA graphs kept, their estimated bytes and
-    budget, captures and their ms, captures pending, failed, evictions."""
+    budget, captures and their ms, captures pending, failed, evictions; training graphs kept and refused."""
     from .graphs.cache import GraphStats
 
     out = {}
@@ -162,9 +162,12 @@ def graph_stats(model: nn.Module) -> dict:
         runtime = m.__dict__.get("_autoragged")
         if runtime is not None:
             graphs = runtime.graphs
-            out[name or type(m).__name__] = (
-                graphs.stats() if graphs is not None else GraphStats(cap=runtime.options.graph_cap)
-            )
+            stats = graphs.stats() if graphs is not None else GraphStats(cap=runtime.options.graph_cap)
+            training = runtime.body.train_graphs
+            if training is not None:
+                stats.training, stats.training_refused = len(training.graphs), len(training.refused)
+                stats.training_bytes = training.reserved_bytes
+            out[name or type(m).__name__] = stats
     return out
 
 

@@ -44,7 +44,9 @@ class GraphStats:
     estimated bytes; budget_bytes: what they must fit (None: a count `cap` was given, or nothing was captured);
     cap: `wrap(graph_cap=)`; captures: graphs made; capture_ms: their host time in all (on the worker's thread
     unless captured now); pending: captures asked for and not done; failed: keys whose capture failed; evictions:
-    graphs dropped to fit."""
+    graphs dropped to fit; training: training graphs kept (graphs/train.py); training_bytes: the device memory
+    their recordings took; training_refused: keys of training batches that recurred but whose activations would
+    not fit the training graphs' memory share."""
 
     graphs: int = 0
     kept_bytes: int = 0
@@ -55,6 +57,9 @@ class GraphStats:
     pending: int = 0
     failed: int = 0
     evictions: int = 0
+    training: int = 0
+    training_bytes: int = 0
+    training_refused: int = 0
 
 
 class _Warmed(NamedTuple):

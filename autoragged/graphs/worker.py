@@ -47,6 +47,11 @@ class CaptureWorker:
             stream = self._streams[(index, purpose)] = torch.cuda.Stream(index)
         return stream
 
+    def note(self) -> None:
+        """One-time work on the caller's thread (a training graph's warm-up and capture): like a job's start, it
+        makes the batch that ran it no timing of its arm (`runtime.records.quiet_mark`)."""
+        self.changes += 1
+
     def submit(self, make, done) -> None:
         """Run `make()` on the worker thread, then `done(graph, None)` or `done(None, exception)`."""
         with self._lock:

@@ -34,6 +34,7 @@ class Body:
                     replay
     causal:         its batches are causal (a decoder): the eager arm keeps its packed rows, and `warmup` warms
                     no cuBLAS rungs for it (runtime/core.py `_eager_rows`)
+    train_graphs:   the training graphs of its layers (graphs/train.py `TrainGraphs`), or None
     """
 
     sig = None
@@ -49,6 +50,7 @@ class Body:
     embeds_in_graph = False
     embeds_token_types = False  # (with embeds_in_graph) the embedding step takes token type ids
     causal = False
+    train_graphs = None
 
     def __init__(self, module: torch.nn.Module):
         watched = [m for m in module.modules() if m is not module]

@@ -35,7 +35,7 @@ from torch import nn
 from .. import ops
 from ._modules import adapted_linear, layer_checkpoint
 
-__all__ = ["why_not", "run", "DecoderStack"]
+__all__ = ["why_not", "why_not_graphed", "run", "DecoderStack"]
 
 # RMSNorm classes whose forward is LlamaRMSNorm's (weight * normalised.to(dtype), statistics in fp32)
 _RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -144,6 +144,26 @@ class DecoderStack(NamedTuple):
     layers: Sequence[nn.Module]
     final_norm: nn.Module
     window_of: Callable
+
+
+def why_not_graphed(stack: DecoderStack, x: torch.Tensor, layout) -> str | None:
+    """Why a training graph (graphs/train.py) cannot replay this call of the stack exactly, or None: a replay draws
+    no new dropout mask, runs no adapter's own code, checkpoints nothing and casts nothing."""
+    if not x.is_cuda or not torch.is_grad_enabled():
+        return "not a CUDA training call"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast"
+    if getattr(layout, "align", None) != 1 or not getattr(layout, "canonical", False):
+        return "not a canonical packed layout"
+    for layer in stack.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if layer_checkpoint(layer) is not None:
+            return "gradient checkpointing"
+        if attn.training and getattr(attn, "attention_dropout", 0.0):
+            return "attention dropout"
+        if any(type(getattr(m, n)) is not nn.Linear for m, names in ((attn, _ATTENTION), (mlp, _MLP)) for n in names):
+            return "an adapter layer"
+    return None
 
 
 def run(

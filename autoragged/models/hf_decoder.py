@@ -53,6 +53,7 @@ cross-attention, bidirectional-configured Gemma.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -62,6 +63,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers import modeling_outputs as outputs
 
+from ..graphs import train as _train_graphs
 from ..kernels import ragged_attention as k_attn
 from ..ragged.layout import Layout
 from ..ragged.tensor import RaggedTensor, mask_rows, pad_mask, padded_from_ragged, ragged_from_padded
@@ -77,6 +79,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Llama-style layers run by our fused kernels where they can (fused_decoder.py); False: always the model's own
 # modules (benchmarks/diagnostics/llm_layers.py compares the two)
 FUSED_LAYERS = True
+# A fused stack's training steps replay its forward and backward as CUDA graphs where their row rung recurs
+# (graphs/train.py): a Qwen2.5-0.5B SFT step of 8 documents took 52.7 ms against 66.2 eager (H200); False: eager
+TRAIN_GRAPHS = True
 
 
 # -- where each family keeps what the ragged arm needs ---------------------------------------------------
@@ -191,6 +196,7 @@ class HFDecoderBody(_hf.HFBody):
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
         self.unfused = self._unfused_reason(module)
         self.trains = True  # fused kernels' backward, or the model's own modules with our attention's
+        self.train_graphs = None  # graphs/train.py's, made at the first packed training call that could replay one
         ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * self.d_model
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "unknown"
         first = self._list[0] if len(self._list) else None
@@ -257,6 +263,10 @@ class HFDecoderBody(_hf.HFBody):
             stack = _fused_decoder.DecoderStack(
                 self._list[: self.config.num_hidden_layers], family.norm(base), family.window_of
             )
+            if TRAIN_GRAPHS and sink is None and hidden is None:
+                y = self._graphed(stack, x, layout, config, kwargs["position_embeddings"])
+                if y is not None:
+                    return y
             return _fused_decoder.run(stack, x, layout, config, kwargs["position_embeddings"], sink, hidden)
         with _hf.ragged_attention_of(base.config, layout, config, sink):
             for layer in self._list[: self.config.num_hidden_layers]:
@@ -264,6 +274,18 @@ class HFDecoderBody(_hf.HFBody):
                 if hidden is not None:
                     hidden.append(h[0])
         return family.norm(base)(h)[0]
+
+    def _graphed(self, stack, x, layout, config, position_embeddings) -> torch.Tensor | None:
+        """The stack's output through a training graph (graphs/train.py), or None where none serves this call."""
+        if _fused_decoder.why_not_graphed(stack, x, layout) is not None:
+            return None
+        if self.train_graphs is None:
+            parts = [*stack.layers, stack.final_norm]
+            holder = _train_graphs.StackModule(functools.partial(_fused_decoder.run, stack), parts)
+            self.train_graphs = _train_graphs.TrainGraphs(holder)
+        cos, sin = (t[0] for t in position_embeddings)
+        head_dim = stack.layers[0].self_attn.head_dim
+        return self.train_graphs.run(x, layout.lengths, config, head_dim, cos, sin)
 
     def _rope(self, h: torch.Tensor, layout, rows: int, call) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (1, rows, rotary dim): the model's rotary_emb on the position table the original uses,

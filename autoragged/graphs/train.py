@@ -1,0 +1,411 @@
+"""Training graphs: a fused decoder stack's forward and backward on packed rows, replayed as two CUDA graphs.
+
+An eager training step of a Qwen2.5-0.5B-shaped model on 2,400 packed rows is host-bound: about 44 ms of GPU
+work, and 35-43 ms of forward plus 37-70 ms of backward host time (launches, autograd nodes); on tiny batches the
+step still takes 90-100 ms (H100). Replayed, the 24 layers' forward is one launch and their backward another.
+
+A graph serves every batch of up to `rows` packed rows in up to `components` - 1 sequences (`TrainGraphKey`; the
+rows on the eager arm's cuBLAS rungs, `planning.buckets.cublas_rows`): the batch's rows are copied into the
+graph's static rows, and the static rows past them form one more sequence of their own, so every row the kernels
+read holds finite values and no attention row is left unwritten (a weight gradient sums every row: 0 x a NaN is
+NaN). The layout (offsets, lengths, both block sizes' preludes) is one int32 buffer filled from the host per
+batch; the attention kernels run a fixed grid whose spare programs exit.
+
+A key is captured once its batches recur (`RECUR`: the capture, a warm-up step and the recording, costs a few
+steps, paid only by a shape that comes back). A stack's graphs share one memory pool and one gradient buffer:
+what lives from one replay to the next is only the latest forward's activations, so the pool holds about one
+step's activations whatever the number of keys. Every output a replay writes is copied out before the next, and
+a backward whose forward's activations a later forward replaced recomputes its stack eagerly (`generation`).
+The pool stays within `MEMORY_SHARE` of the memory obtainable (the warm-up step measures a key's activations):
+where a larger key would pass it, the graphs start over in a pool sized by that key, and a key that alone
+would pass it runs eagerly.
+
+The graphs serve only what they replay exactly: no dropout inside the stack (a replay draws no new mask), no
+adapters, no gradient checkpointing, no autocast, no KV cache or hidden states (`fused_decoder.why_not_graphed`).
+Gradients come out of the shared buffer, cloned per backward, so that accumulating over several backwards is right.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..kernels import ragged_attention_backward as k_attn_bwd
+from ..kernels._config import aligned
+from ..planning.buckets import cublas_rows
+from .worker import worker
+
+__all__ = [
+    "StackModule",
+    "TrainGraphKey",
+    "TrainGraphs",
+    "graph_key",
+    "pool_fit",
+    "static_meta",
+    "RECUR",
+    "MEMORY_SHARE",
+]
+
+log = logging.getLogger("autoragged")
+
+RECUR = 2  # batches of a key before it is captured: a shape seen once may never come back
+# of the memory obtainable (free and cached unused) that the graphs' pool may grow to: the rest is for the eager
+# steps of keys not captured, which need about as much again, and for the caller
+MEMORY_SHARE = 0.5
+MIN_COMPONENTS = 16  # (each component costs the attention kernels one program that exits)
+
+
+class TrainGraphKey(NamedTuple):
+    """What one training graph serves: batches of up to `rows` packed rows in up to `components` - 1 sequences."""
+
+    rows: int
+    components: int
+
+
+def graph_key(rows: int, sequences: int) -> TrainGraphKey:
+    """The key of a batch of `rows` packed rows in `sequences` sequences (one component more: the spare rows)."""
+    return TrainGraphKey(cublas_rows(max(rows, 1)), max(MIN_COMPONENTS, 1 << sequences.bit_length()))
+
+
+class _Sections(NamedTuple):
+    """Where each part of the int32 layout buffer starts (each at a multiple of 16 elements: `aligned`)."""
+
+    offsets: int
+    lengths: int
+    preludes: tuple  # per block size: (start of grid_mapping, its programs, start of block_offsets)
+    size: int
+
+
+def _sections(key: TrainGraphKey, block_sizes: tuple[int, ...]) -> _Sections:
+    C = key.components
+    at = aligned(C + 1)
+    lengths, at = at, at + aligned(C)
+    preludes = []
+    for bm in block_sizes:
+        programs = -(-key.rows // bm) + C
+        preludes.append((at, programs, at + aligned(programs)))
+        at += aligned(programs) + aligned(C + 1)
+    return _Sections(0, lengths, tuple(preludes), at)
+
+
+def static_meta(lengths, key: TrainGraphKey, block_sizes: tuple[int, ...]) -> np.ndarray:
+    """The layout buffer of a batch of `lengths` in graph `key`: the sequences, then the spare rows as one more,
+    then empty components; per block size a prelude whose programs past the batch's are -1 (they exit)."""
+    lens = np.zeros(key.components, dtype=np.int64)
+    lens[: len(lengths)] = lengths
+    total = int(lens.sum())
+    if total > key.rows or len(lengths) >= key.components:
+        raise ValueError(f"{len(lengths)} sequences of {total} rows do not fit graph {key}")
+    lens[len(lengths)] = key.rows - total
+    s = _sections(key, block_sizes)
+    meta = np.zeros(s.size, dtype=np.int32)
+    C = key.components
+    meta[s.offsets + 1 : s.offsets + C + 1] = np.cumsum(lens)
+    meta[s.lengths : s.lengths + C] = lens
+    for bm, (grid_at, programs, blocks_at) in zip(block_sizes, s.preludes):
+        counts = -(-lens // bm)
+        meta[blocks_at + 1 : blocks_at + C + 1] = np.cumsum(counts)
+        grid = np.repeat(np.arange(C, dtype=np.int32), counts)
+        meta[grid_at : grid_at + programs] = -1
+        meta[grid_at : grid_at + len(grid)] = grid
+    return meta
+
+
+class _StaticLayout:
+    """The layout the captured kernels read: views of the graph's int32 buffer (what `ops.attention_values` and
+    the attention backward ask of a layout)."""
+
+    align = 1
+    key_lengths = None
+    live = None
+    tile_rows = None
+
+    def __init__(self, meta: torch.Tensor, key: TrainGraphKey, block_sizes: tuple[int, ...]):
+        s, C = _sections(key, block_sizes), key.components
+        self._offsets, self._lengths = meta[: C + 1], meta[s.lengths : s.lengths + C]
+        self._preludes = {
+            bm: (meta[g : g + programs], meta[b : b + C + 1]) for bm, (g, programs, b) in zip(block_sizes, s.preludes)
+        }
+        self.offsets = (0, key.rows)  # every row is in a component: the attention leaves none to zero
+        self.max_len = key.rows
+
+    def device_meta(self, device):
+        return self._offsets, self._lengths
+
+    def prelude(self, block_m: int, device):
+        hit = self._preludes.get(block_m)
+        if hit is None:
+            raise ValueError(f"this training graph has preludes for blocks {sorted(self._preludes)}, not {block_m}")
+        return hit
+
+
+class StackModule(nn.Module):
+    """The graphed layers as one module, whose parameters `torch.func.functional_call` swaps: `run(x, layout,
+    config, position_embeddings)` is the stack's forward, over `parts` (its modules)."""
+
+    def __init__(self, run, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.run = run
+
+    def forward(self, x, layout, config, position_embeddings):
+        return self.run(x, layout, config, position_embeddings)
+
+    def trained(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class TrainGraph:
+    """One key's graphs: static rows, rotary tables, layout and output gradient; the forward, and the backward into
+    the stack's shared gradient buffer. Its static buffers are its own, outside the pool."""
+
+    def __init__(self, holder: StackModule, key: TrainGraphKey, config, head_dim: int, like: torch.Tensor):
+        self.key = key
+        named = [(n, p) for n, p in holder.named_parameters() if p.requires_grad]
+        self.shapes = [p.shape for _, p in named]
+        self.block_sizes = tuple(sorted({config.block_m, k_attn_bwd.backward_config(head_dim, key.rows).block_m}))
+        device, dtype = like.device, like.dtype
+        R, D = key.rows, like.shape[1]
+        self.x = torch.zeros(R, D, dtype=dtype, device=device, requires_grad=True)
+        self.cos = torch.zeros(R, head_dim, dtype=dtype, device=device)
+        self.sin = torch.zeros(R, head_dim, dtype=dtype, device=device)
+        self.meta = torch.zeros(_sections(key, self.block_sizes).size, dtype=torch.int32, device=device)
+        self.meta.copy_(torch.from_numpy(static_meta((), key, self.block_sizes)))
+        self.gy = torch.zeros(R, D, dtype=dtype, device=device)
+        layout = _StaticLayout(self.meta, key, self.block_sizes)
+        # the graphs differentiate leaves of their own that share the parameters' storage: the parameters' own
+        # gradient accumulators live on the default stream, which a capture must not wait on
+        self.aliases = [p.detach().requires_grad_() for _, p in named]
+        swap = {n: alias for (n, _), alias in zip(named, self.aliases)}
+        args = (self.x, layout, config, (self.cos[None], self.sin[None]))
+        # (a closure over these, never over self: a cycle would keep the graph's memory until a collection)
+        self._run = lambda: torch.func.functional_call(holder, swap, args, tie_weights=False)
+        self.fwd = self.bwd = self.y = self.gx = None
+
+    def warm_up(self, stream) -> int:
+        """An eager step on `stream` (compiles, cuBLAS's workspace for the stream) -> the bytes a forward keeps for
+        its backward (what a replay's activations take in the pool)."""
+        device = self.x.device
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            before = torch.cuda.memory_allocated(device)
+            y = self._run()
+            kept = torch.cuda.memory_allocated(device) - before
+            torch.autograd.grad(y, [self.x, *self.aliases], self.gy, allow_unused=True)
+            del y
+        torch.cuda.current_stream(device).wait_stream(stream)
+        return kept
+
+    def record(self, pool, stream, flat: torch.Tensor) -> None:
+        """Record the forward, and the backward whose parameters' gradients land in `flat`."""
+        grad_of = [self.x, *self.aliases]
+        collecting = gc.isenabled()
+        gc.disable()  # a collection that destroys some other CUDA graph mid-capture makes the capture fail
+        try:
+            self.fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
+                self.y = self._run()
+            self.bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
+                grads = torch.autograd.grad(self.y, grad_of, self.gy, allow_unused=True)
+                self.gx = grads[0]
+                parts = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(self.aliases, grads[1:])]
+                torch.cat(parts, out=flat)
+                del grads, parts
+        finally:
+            if collecting:
+                gc.enable()
+
+    def load(self, x: torch.Tensor, lengths, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Copy a batch in and replay the forward."""
+        rows = x.shape[0]
+        meta = torch.from_numpy(static_meta(lengths, self.key, self.block_sizes))
+        with torch.no_grad():
+            self.x[:rows].copy_(x)
+            self.cos[:rows].copy_(cos)
+            self.sin[:rows].copy_(sin)
+            self.meta.copy_(meta.pin_memory() if self.meta.is_cuda else meta, non_blocking=True)
+        self.fwd.replay()
+
+    def backward(self, gy: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Replay the backward for the rows' gradient gy -> (dx for those rows, each parameter's gradient)."""
+        rows = gy.shape[0]
+        self.gy[:rows].copy_(gy)
+        self.gy[rows:].zero_()
+        self.bwd.replay()
+        flat = flat.clone()  # a later backward replays into the shared buffer
+        grads = [g.view(s) for g, s in zip(flat.split([s.numel() for s in self.shapes]), self.shapes)]
+        return self.gx[:rows].clone(), grads
+
+
+class _Call(NamedTuple):
+    """What a replayed call's backward needs: the stack's graphs, the key's graph, and for an eager recompute the
+    stack as a function of (x, cos, sin)."""
+
+    graphs: TrainGraphs
+    graph: TrainGraph
+    eager: object
+
+
+class _Replay(torch.autograd.Function):
+    """The stack's output rows from a replay; its backward replays the backward graph (or recomputes eagerly where
+    a later forward replaced this one's activations)."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, lengths, cos, sin, x, *params):
+        call.graph.load(x, lengths, cos, sin)
+        call.graphs.generation += 1
+        ctx.call, ctx.generation, ctx.tables = call, call.graphs.generation, (cos, sin)
+        ctx.save_for_backward(x)
+        return call.graph.y[: x.shape[0]].clone()
+
+    @staticmethod
+    @torch.compiler.disable
+    def backward(ctx, gy):
+        graphs, graph = ctx.call.graphs, ctx.call.graph
+        if ctx.generation == graphs.generation:
+            gx, grads = graph.backward(gy, graphs.flat)
+        else:  # a later forward's replay replaced this one's activations: recompute the stack
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                y = ctx.call.eager(x, *ctx.tables)
+                gx, *grads = torch.autograd.grad(y, [x, *graphs.params], gy, allow_unused=True)
+        return (None, None, None, None, gx, *grads)
+
+
+def _obtainable(device) -> int:
+    """Device memory a pool could take: free, and what the caching allocator holds unused."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def pool_fit(reserved: int, kept: int, larger: bool, obtainable: int) -> str:
+    """Whether a key whose forward keeps `kept` bytes is recorded into a pool of `reserved` bytes ("record"), into
+    a fresh pool after the other graphs are dropped ("start over"), or not at all ("refuse"); `larger`: it has more
+    rows than every captured key; `obtainable`: the device memory free or cached unused. The pool stays within
+    MEMORY_SHARE of what it and the obtainable memory make. A larger key grows the pool by about its activations
+    (its tensors fit none of the blocks the smaller keys freed: six keys captured as they came took 11 GB, the
+    largest alone 6.4; Qwen2.5-0.5B shape, 8 documents a step, H100); a smaller key fits the pool as it is."""
+    if not larger:
+        return "record"
+    share = MEMORY_SHARE * (obtainable + reserved)
+    if reserved + kept <= share:
+        return "record"
+    return "start over" if kept <= share else "refuse"
+
+
+class TrainGraphs:
+    """One stack's (`holder`'s) training graphs by key, captured where batches recur (`RECUR`), in one pool that
+    stays within `MEMORY_SHARE` of the memory obtainable."""
+
+    def __init__(self, holder: StackModule):
+        self.holder = holder
+        self.seen: dict[TrainGraphKey, int] = {}
+        self.graphs: dict[TrainGraphKey, TrainGraph] = {}
+        self.refused: set[TrainGraphKey] = set()  # keys whose activations would not fit the pool's share
+        self.failed: str | None = None
+        self.params: list[nn.Parameter] = []  # the trained parameters the graphs were captured for
+        self._ptrs: tuple[int, ...] = ()
+        self.pool = None
+        self.flat: torch.Tensor | None = None  # every captured backward's parameter gradients, flattened
+        self.reserved_bytes = 0  # what the recordings took from the device (the pool's growth)
+        self.generation = 0  # forward replays so far: only the latest one's activations are in the pool
+
+    def run(self, x, lengths, config, head_dim: int, cos, sin):
+        """The stack's output rows for packed x (rows, D) of a batch of `lengths` through its key's graph, or None
+        where none serves it (then the caller runs eagerly)."""
+        if self.failed is not None:
+            return None
+        params = self.holder.trained()
+        if not params:
+            return None
+        if not self._serves(params):
+            self._reset(params)
+        key = graph_key(x.shape[0], len(lengths))
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.seen[key] = count = self.seen.get(key, 0) + 1
+            if count < RECUR or key in self.refused:
+                return None
+            graph = self._capture(key, config, head_dim, x)
+            if graph is None:
+                return None
+        holder = self.holder
+
+        def eager(xx, c, s):
+            from ..ragged.layout import Layout
+
+            return holder(xx, Layout.make(tuple(lengths)), config, (c[None], s[None]))
+
+        return _Replay.apply(_Call(self, graph, eager), tuple(lengths), cos, sin, x, *params)
+
+    def _serves(self, params: list[nn.Parameter]) -> bool:
+        """Whether the captured parameters are still these, where they were (`model.to(...)`, a reassigned or
+        frozen weight: no)."""
+        return len(params) == len(self.params) and all(
+            p is q and p.data_ptr() == ptr for p, q, ptr in zip(params, self.params, self._ptrs)
+        )
+
+    def _reset(self, params: list[nn.Parameter]) -> None:
+        """Drop every graph: they were captured for other parameters."""
+        self.graphs.clear()
+        self.seen.clear()
+        self.refused.clear()
+        self.params, self._ptrs = params, tuple(p.data_ptr() for p in params)
+        self.pool = self.flat = None
+        self.reserved_bytes = 0
+
+    def _drop_graphs(self) -> None:
+        """Drop the graphs (they are captured anew as they recur) and their pool."""
+        self.graphs.clear()
+        self.pool = None  # (a new pool: the old one goes with its graphs)
+        self.reserved_bytes = 0
+        torch.cuda.empty_cache()
+
+    def _capture(self, key, config, head_dim, x) -> TrainGraph | None:
+        device = x.device
+        if len({p.dtype for p in self.params}) > 1:
+            self.failed = "the stack's parameters have several dtypes (its gradients share one buffer)"
+            return None
+        worker.note()  # this batch's time is no sample of its arm's cost
+        stream = worker.stream(device, "capture")
+        try:
+            graph = TrainGraph(self.holder, key, config, head_dim, x)
+            kept = graph.warm_up(stream)
+            # the warm-up's blocks are cached for the capture stream alone: give them back (one sync; without it
+            # each capture kept a step's activations, and a Qwen2.5-0.5B SFT table ran out of memory on an H100)
+            torch.cuda.empty_cache()
+            larger = key.rows > max((k.rows for k in self.graphs), default=0)
+            fit = pool_fit(self.reserved_bytes, kept, larger, _obtainable(device))
+            if fit == "refuse":
+                self.refused.add(key)
+                log.info("autoragged: no training graph of %d rows: its %.1f GB would pass the pool's share of the"
+                         " memory", key.rows, kept / 2**30)  # fmt: skip
+                return None
+            if fit == "start over":
+                self._drop_graphs()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            if self.flat is None:
+                numel = sum(p.numel() for p in self.params)
+                self.flat = torch.empty(numel, dtype=self.params[0].dtype, device=device)
+            reserved = torch.cuda.memory_reserved(device)
+            graph.record(self.pool, stream, self.flat)
+            self.reserved_bytes += torch.cuda.memory_reserved(device) - reserved
+        except torch.OutOfMemoryError:
+            self.failed = f"out of memory capturing a training graph of {key.rows} rows"
+            log.warning("autoragged: %s; training runs eagerly from now on", self.failed)
+            self.graphs.clear()
+            self.pool = self.flat = None
+            torch.cuda.empty_cache()
+            return None
+        self.graphs[key] = graph
+        log.info("autoragged: captured a training graph of %d rows, %d components: activations %.2f GB, the pool"
+                 " now %.2f GB", key.rows, key.components, kept / 2**30, self.reserved_bytes / 2**30)  # fmt: skip
+        return graph

@@ -1,0 +1,138 @@
+"""Training graphs' host side (graphs/train.py), on the CPU: the keys, the static layout a replay fills, and which
+calls a graph may replay. Their replays are tested on the GPU (test_train_graphs_cuda.py)."""
+
+import numpy as np
+import pytest
+import torch
+from autoragged.kernels import ragged_attention_backward as k_attn_bwd
+
+from autoragged.graphs import train as train_graphs
+from autoragged.models import fused_decoder
+from autoragged.planning.buckets import cublas_rows
+from autoragged.ragged.layout import Layout
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_keys_take_the_eager_arms_row_rungs_and_keep_a_component_for_the_spare_rows():
+    for rows in (1, 300, 512, 513, 2433, 8192, 9000):
+        assert train_graphs.graph_key(rows, 3).rows == cublas_rows(rows) >= rows
+    assert train_graphs.graph_key(512, 15).components == 16  # 15 sequences and the spare rows' component
+    assert train_graphs.graph_key(513, 16).components == 32
+    assert train_graphs.graph_key(8192, 40).components == 64
+
+
+def test_the_static_layout_holds_the_batch_the_spare_rows_and_exiting_programs():
+    key, blocks = train_graphs.TrainGraphKey(256, 16), (32, 64)  # (any rows: the layout takes the key as given)
+    meta = train_graphs.static_meta((3, 70, 1), key, blocks)
+    layout = train_graphs._StaticLayout(torch.from_numpy(meta), key, blocks)
+    offsets, lengths = (t.numpy() for t in layout.device_meta("cpu"))
+    want = np.array([3, 70, 1, 182] + [0] * 12)
+    assert (lengths == want).all() and (offsets == np.concatenate([[0], np.cumsum(want)])).all()
+    for bm in blocks:
+        grid, block_offsets = (t.numpy() for t in layout.prelude(bm, "cpu"))
+        counts = -(-want // bm)
+        assert (block_offsets == np.concatenate([[0], np.cumsum(counts)])).all()
+        real = int(counts.sum())
+        assert (grid[:real] == np.repeat(np.arange(16), counts)).all() and (grid[real:] == -1).all()
+        assert len(grid) == 256 // bm + 16  # room for any batch of the key
+    with pytest.raises(ValueError, match="prelude"):
+        layout.prelude(128, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        train_graphs.static_meta((200, 100), key, blocks)
+    with pytest.raises(ValueError, match="do not fit"):
+        train_graphs.static_meta((1,) * 16, key, blocks)
+    assert k_attn_bwd.backward_config(64, key.rows).block_m in blocks
+
+
+def _stack(**extra):
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, **extra)  # fmt: skip
+    model = transformers.Qwen2Model(config).train()
+    return fused_decoder.DecoderStack(list(model.layers), model.norm, lambda attn: None), model
+
+
+def test_only_calls_a_replay_repeats_exactly_are_graphed():
+    stack, model = _stack()
+    x, layout = torch.zeros(4, 32), Layout.make((3, 1))
+    assert fused_decoder.why_not_graphed(stack, x, layout) == "not a CUDA training call"
+    fake_cuda = type("T", (), {"is_cuda": True, "device": torch.device("cpu")})()
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) is None
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, Layout.make((3, 1), align=16)) == (
+        "not a canonical packed layout"
+    )
+    with torch.no_grad():
+        assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "not a CUDA training call"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "autocast"
+    dropped, _ = _stack(attention_dropout=0.1)
+    assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) == "attention dropout"
+    model.gradient_checkpointing_enable()
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "gradient checkpointing"
+
+
+class _FakeGraph:
+    """Stands for a captured graph (the capture needs a GPU)."""
+
+    def __init__(self, key):
+        self.key = key
+
+
+def test_a_key_is_captured_once_it_recurs_and_all_anew_when_the_trained_parameters_change(monkeypatch):
+    stack, model = _stack()
+    holder = train_graphs.StackModule(lambda *a: None, [*stack.layers, stack.final_norm])
+    graphs = train_graphs.TrainGraphs(holder)
+    captured = []
+
+    def capture(key, config, head_dim, x):
+        captured.append(key)
+        graphs.graphs[key] = graph = _FakeGraph(key)
+        return graph
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(train_graphs._Replay, "apply", staticmethod(lambda call, *rest: call.graph))
+
+    def run(rows):
+        x, tables = torch.zeros(rows, 32), (torch.zeros(rows, 16), torch.zeros(rows, 16))
+        return graphs.run(x, (rows,), None, 16, *tables)
+
+    first_key = train_graphs.graph_key(300, 1)
+    assert run(300) is None and not captured  # seen once: eager
+    first = run(300)
+    assert isinstance(first, _FakeGraph) and captured == [first_key]  # seen again: captured, replayed
+    assert train_graphs.graph_key(350, 1) == first_key and run(350) is first and len(captured) == 1  # one key
+    keys = [1000, 1600, 2100, 5000]  # four more keys, each twice: every recurring key is captured
+    for rows in keys:
+        assert run(rows) is None
+        assert run(rows).key == train_graphs.graph_key(rows, 1)
+    assert len(captured) == 1 + len(keys) and len(graphs.graphs) == 1 + len(keys)
+    graphs.refused.add(train_graphs.graph_key(7000, 1))  # a key whose activations did not fit: never captured
+    assert run(7000) is None and run(7000) is None and len(captured) == 1 + len(keys)
+    model.layers[0].mlp.up_proj.weight.requires_grad_(False)  # other trained parameters: every graph goes
+    assert run(300) is None and not graphs.graphs and not graphs.refused
+    assert run(300) is not first and captured[-1] == first_key and list(graphs.graphs) == [first_key]
+    assert len(graphs.params) == len(list(holder.parameters())) - 1
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert run(300) is None  # nothing to train: eager
+
+
+def test_a_capture_on_the_callers_thread_makes_its_batch_no_timing():
+    from autoragged.graphs.worker import worker
+    from autoragged.runtime.records import quiet_mark
+
+    before = quiet_mark()
+    worker.note()
+    assert quiet_mark() != before
+
+
+def test_the_pool_stays_within_its_share_and_starts_over_for_a_larger_key():
+    GB = 2**30
+    share = train_graphs.MEMORY_SHARE
+    assert train_graphs.pool_fit(0, 4 * GB, True, int(4 * GB / share)) == "record"  # an empty pool, room for the key
+    assert train_graphs.pool_fit(0, 4 * GB, True, int(4 * GB / share) - 1) == "refuse"  # the key alone passes it
+    assert train_graphs.pool_fit(6 * GB, 5 * GB, False, 0) == "record"  # a smaller key: the blocks larger ones freed
+    # a larger key that would grow the pool past its share: the graphs start over, sized by it
+    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(13 * GB / share) - 6 * GB) == "record"  # 13 GB fit
+    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(10 * GB / share) - 6 * GB) == "start over"
+    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(7 * GB / share) - 6 * GB - 1) == "refuse"
