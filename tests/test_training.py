@@ -357,6 +357,35 @@ def test_a_causal_lm_runs_its_own_head_where_the_base_model_ran_padded():
     assert "forward" not in model.__dict__
 
 
+_MODERNBERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                   pad_token_id=1, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+                   global_attn_every_n_layers=2, local_attention=4)  # fmt: skip
+
+
+def test_modernbert_trains_ragged_with_the_original_gradients():
+    """ModernBERT's own layer modules around our attention, global and local (+-2 tokens) layers: every head's
+    loss and gradients as the original's on right-padded batches. Left padding runs padded (its local windows and
+    rotary positions count a row's pads; the reason says so), with the original's gradients as a matter of course."""
+    for head, fields in HEADS.items():
+        for side in ("right", "left"):
+            c = transformers.ModernBertConfig(**_MODERNBERT, num_labels=2 if "Question" in head else 3)
+            torch.manual_seed(0)
+            model = getattr(transformers, head).from_config(c).train()
+            kwargs, keep = _batch(side)
+            model = _check_training(model, kwargs, keep, fields, f"modernbert {head} {side}")
+            arms = {arm for arm, _ in _arms(model)}
+            assert arms == ({"ragged"} if side == "right" else {"padded"}), _arms(model)
+
+
+@pytest.mark.parametrize("dropout", ["attention_dropout", "mlp_dropout", "embedding_dropout"])
+def test_modernbert_dropout_trains_ragged_with_a_new_mask_each_call(dropout):
+    """ModernBERT's dropouts in its own modules (the attention's probability handed to our kernel, which draws it)."""
+    kwargs, _ = _batch("right")
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(**_MODERNBERT, num_labels=3, **{dropout: 0.3})
+    _check_dropout(transformers.ModernBertForSequenceClassification(config).train(), kwargs)
+
+
 # decoders whose layers run as the model's own modules, with our attention (and its backward) inside
 MODULE_DECODERS = {
     "gemma": lambda: transformers.GemmaConfig(**_DECODER, head_dim=32),

@@ -24,8 +24,27 @@ _DECODER = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attenti
                 intermediate_size=96, pad_token_id=0, max_position_embeddings=64)  # fmt: skip
 _BERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
              pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)  # fmt: skip
+_MODERNBERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=96,
+                   pad_token_id=1, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, num_labels=3,
+                   global_attn_every_n_layers=2, local_attention=4)  # fmt: skip
 MODELS = {
     "bert": lambda: transformers.BertForSequenceClassification(transformers.BertConfig(**_BERT)),
+    # the model's own layer modules around our attention (layer 1 of ModernBERT local, a +-2 token window)
+    "modernbert": lambda: transformers.ModernBertForSequenceClassification(
+        transformers.ModernBertConfig(**_MODERNBERT)
+    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=100,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    ),
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER)),
     # GQA; layer 1 slides over 4 tokens, shorter than the lengths
     "qwen2": lambda: transformers.Qwen2ForCausalLM(
@@ -35,6 +54,9 @@ MODELS = {
 # BERT's "dense": the attention's output, the feed-forward's two (the first's gelu after it) and the pooler's
 LORA_TARGETS = {"bert": ["query", "key", "value", "dense"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LORA_TARGETS["qwen2"] = LORA_TARGETS["llama"]
+
+
+ENCODERS = ("bert", "modernbert")
 
 
 def _model(family: str) -> nn.Module:
@@ -49,9 +71,9 @@ def _batch(family: str, side: str, lengths=LENGTHS) -> dict:
     lens, cols = torch.tensor(lengths), torch.arange(L)[None]
     keep = cols < lens[:, None] if side == "right" else cols >= L - lens[:, None]
     ids = torch.randint(4, 100, (len(lengths), L), generator=torch.Generator().manual_seed(1))
-    ids = ids.masked_fill(~keep, 1 if family == "bert" else 0)  # (the configs' pad_token_id)
+    ids = ids.masked_fill(~keep, 1 if family in ENCODERS else 0)  # (the configs' pad_token_id)
     kwargs = {"input_ids": ids, "attention_mask": keep.long()}
-    if family == "bert":
+    if family in ENCODERS:
         return {**kwargs, "labels": torch.arange(len(lengths)) % 3}
     first = keep & (keep.cumsum(1) == 1)
     return {**kwargs, "labels": ids.masked_fill(~keep | first, -100), "use_cache": False}
@@ -97,14 +119,17 @@ def _saved_bytes(model, kwargs) -> int:
 
 @pytest.mark.parametrize(
     "family, reentrant, side",
-    [("bert", False, "left"), ("bert", True, "right"), ("llama", False, "right"), ("llama", True, "left")],
+    [("bert", False, "left"), ("bert", True, "right"), ("llama", False, "right"), ("llama", True, "left"),
+     ("gpt2", False, "left"), ("gpt2", True, "right"), ("modernbert", False, "right"), ("modernbert", True, "right")],
 )  # fmt: skip
 def test_gradient_checkpointing_trains_ragged_and_recomputes_each_layer(family, reentrant, side):
     """`gradient_checkpointing_enable()` after `wrap` (transformers' default use_reentrant=False, and the reentrant
     kind): the ragged arm runs each layer inside the checkpoint function the model gave it, so it keeps for the
     backward at most twice what the original keeps (which is under a quarter of what it keeps without), and gives
     the original's loss and gradients. (Before: BERT's batches ran padded for the hook `enable_input_require_grads`
-    puts on the embeddings, and Llama's ragged arm kept every activation: 4.8 times the original's.)"""
+    puts on the embeddings, and Llama's ragged arm kept every activation: 4.8 times the original's. GPT-2's own
+    layers recomputed with the model's own attention across the packed rows: the reentrant kind's gradients were
+    19 off, the other raised on the recomputed shapes.)"""
     kwargs = _batch(family, side)
     model = _model(family)
     plain = copy.deepcopy(model)

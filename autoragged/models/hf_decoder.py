@@ -72,6 +72,7 @@ from . import causal_lm as _causal_lm
 from . import fused_decoder as _fused_decoder
 from . import hf as _hf
 from . import sentence as _sentence
+from ._modules import own_layers
 
 __all__ = ["ADAPTER", "FAMILIES"]
 
@@ -268,11 +269,9 @@ class HFDecoderBody(_hf.HFBody):
                 if y is not None:
                     return y
             return _fused_decoder.run(stack, x, layout, config, kwargs["position_embeddings"], sink, hidden)
-        with _hf.ragged_attention_of(base.config, layout, config, sink):
-            for layer in self._list[: self.config.num_hidden_layers]:
-                h = layer(h, **kwargs)
-                if hidden is not None:
-                    hidden.append(h[0])
+        attention = functools.partial(_hf.ragged_attention_of, base.config, layout, config, sink)
+        layers = self._list[: self.config.num_hidden_layers]
+        h = own_layers(layers, h, attention, lambda layer: kwargs, hidden, fills_cache=sink is not None)
         return family.norm(base)(h)[0]
 
     def _graphed(self, stack, x, layout, config, position_embeddings) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
-from ._modules import adapted_linear, layer_checkpoint
+from ._modules import adapted_linear, layer_checkpoint, own_layers
 from .base import EpochCache
 from .encoder import Dropouts, EncoderLayerSpec, autocast_reason, encoder_values
 from .qkv import FusedQKV, unfuse
@@ -249,8 +249,8 @@ class HFEncoderBody(_hf.HFBody):
         self.static_reason = self._static_reason(module)
         self.has_dropout = any(m.p > 0 for m in module.modules() if isinstance(m, nn.Dropout))
         self.fused = family.layers is not None
-        # (ModernBERT runs its own layer modules: no training path yet)
-        self.trains = self.fused
+        # the fused families by our kernels' backward; ModernBERT's own layer modules around our attention's
+        self.trains = True
         # a task head or pooler may read column 0 of the output, a pad in a left-padded row that the original
         # computes (a query over the row's real tokens): every ragged arm of the fused families computes it as a
         # query-only row of its own (`Layout.with_query_rows`, kernels/masked_pack.py), as the original does.
@@ -338,12 +338,10 @@ class HFEncoderBody(_hf.HFBody):
         base = self.module
         h = x[None]
         positions = _hf.positions(layout, x.shape[0], x.device)
-        with _hf.ragged_attention_of(base.config, layout, config):
-            rotary = {t: base.rotary_emb(h, positions, t) for t in set(base.config.layer_types)}
-            for layer in base.layers:
-                h = layer(h, attention_mask=None, position_embeddings=rotary[layer.attention_type])
-                if hidden is not None:
-                    hidden.append(h[0])
+        rotary = {t: base.rotary_emb(h, positions, t) for t in set(base.config.layer_types)}
+        attention = functools.partial(_hf.ragged_attention_of, base.config, layout, config)
+        h = own_layers(base.layers, h, attention, lambda layer: {"attention_mask": None,
+                       "position_embeddings": rotary[layer.attention_type]}, hidden)  # fmt: skip
         return base.final_norm(h)[0]
 
     def output(self, module, call, y, hidden):
