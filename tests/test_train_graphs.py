@@ -1,11 +1,13 @@
-"""Training graphs' host side (graphs/train.py), on the CPU: the keys, the static layout a replay fills, and which
-calls a graph may replay. Their replays are tested on the GPU (test_train_graphs_cuda.py)."""
+"""Training graphs' host side (graphs/train.py), on the CPU: the keys, the static layout a replay fills, which calls
+a graph may replay, when a key is captured, the pool's memory rule, what `graph_stats` counts. Their replays are
+tested on the GPU (test_train_graphs_cuda.py)."""
 
 import numpy as np
 import pytest
 import torch
 from autoragged.kernels import ragged_attention_backward as k_attn_bwd
 
+import autoragged
 from autoragged.graphs import train as train_graphs
 from autoragged.models import fused_decoder
 from autoragged.planning.buckets import cublas_rows
@@ -136,3 +138,19 @@ def test_the_pool_stays_within_its_share_and_starts_over_for_a_larger_key():
     assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(13 * GB / share) - 6 * GB) == "record"  # 13 GB fit
     assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(10 * GB / share) - 6 * GB) == "start over"
     assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(7 * GB / share) - 6 * GB - 1) == "refuse"
+
+
+def test_graph_stats_counts_a_models_training_graphs():
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = autoragged.wrap(transformers.Qwen2ForCausalLM(config).train(), db=False)
+    ((name, before),) = autoragged.graph_stats(model).items()
+    assert (before.training, before.training_refused, before.training_bytes) == (0, 0, 0)
+    body = model.model._autoragged.body
+    stack, _ = _stack()
+    body.train_graphs = graphs = train_graphs.TrainGraphs(train_graphs.StackModule(lambda *a: None, stack.layers))
+    graphs.graphs = {train_graphs.graph_key(300, 1): _FakeGraph(None), train_graphs.graph_key(900, 1): _FakeGraph(None)}
+    graphs.refused.add(train_graphs.graph_key(5000, 1))
+    graphs.reserved_bytes = 3 << 30
+    after = autoragged.graph_stats(model)[name]
+    assert (after.training, after.training_refused, after.training_bytes) == (2, 1, 3 << 30)
