@@ -134,7 +134,7 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     synthetic = getattr(runtime.body, "synthetic", None)
     if synthetic is None:
         return f"its adapter ({runtime.adapter.name}) makes no synthetic batches"
-    device = runtime._param().device
+    device = runtime.probe().device
     cache = runtime.graph_cache() if device.type == "cuda" and runtime.options.graphs else None
     before = cache.stats() if cache is not None else None
     keys_before = set(cache.graphs) if cache is not None else set()
@@ -217,7 +217,7 @@ def _warm_cublas_rows(runtime, groups, device) -> int:
     top = cublas_rows(max(min(len(g) * max(g, default=0), sum(g) * 3 // 2) for g in groups))
     piece = max(1, min(64, getattr(body, "max_tokens", None) or 64))  # components short enough for cheap attention
     config = default_ragged_config(body.head_dim, piece)  # cuBLAS linears
-    dtype, rows, n = runtime._param().dtype, cublas_rows(1), 0
+    dtype, rows, n = runtime.probe().dtype, cublas_rows(1), 0
     with torch.inference_mode():
         while rows <= top:
             lengths = (piece,) * (rows // piece) + ((rows % piece,) if rows % piece else ())
@@ -281,7 +281,7 @@ def _tail(groups: list[list[int]], longest: int, runtime) -> list[list[int]]:
     `longest`), `MIN_SAMPLES` times each, so the graph is captured and its arm timed. Only where graphs run (a
     GPU): traffic after a warm-up on 24 draws of CoLA B=128 met a width no draw had reached (33-37 tokens against
     at most 32) within 20 batches."""
-    if not runtime.options.graphs or runtime._param().device.type != "cuda":
+    if not runtime.options.graphs or runtime.probe().device.type != "cuda":
         return []
     out = []
     top = mask_width(longest)
@@ -320,7 +320,7 @@ def _calibrated(runtime) -> list[list[int]]:
         raise ValueError("warmup('calibration') needs the module's tuning database (wrap(db=...)); it has none")
     from .runtime.recorder import RECORDER
 
-    key = device_key(runtime._param().device).key
+    key = device_key(runtime.probe().device).key
     try:
         db = RECORDER.open_db(path)
         if db is None:

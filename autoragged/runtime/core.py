@@ -151,7 +151,7 @@ class Runtime:
         if self.policy != "auto" or self.static_reason:
             return
         try:
-            self._planner(self._param().device)
+            self._planner(self.probe().device)
         except Exception as e:  # noqa: BLE001 - the lazy path makes the planner again, and says what is wrong
             log.debug("autoragged %s: no planner made at wrap: %s", self.sig_key, e)
 
@@ -198,7 +198,7 @@ class Runtime:
         passthrough = call.passthrough or (_EMPTY if call.B == 0 and call.ragged_in is None else None)
         if passthrough is not None:
             self._record(Record(BatchStats.from_lengths(()), PADDED, {}, passthrough,
-                                device_key(self._param().device), self.sig_key))  # fmt: skip
+                                device_key(self.probe().device), self.sig_key))  # fmt: skip
             return call.original(module)
         t0, quiet = time.perf_counter(), quiet_mark()
         device = call.device
@@ -359,7 +359,7 @@ class Runtime:
         """Why this call must run padded (the call's own reason first), or None. `grad`: autograd records it."""
         if call.reason is not None:
             return call.reason
-        p = self._param()
+        p = self.probe()
         if call.dtype != p.dtype or call.device != p.device:
             return f"input {call.dtype} on {call.device} differs from the parameters ({p.dtype} on {p.device})"
         if grad or module.training:
@@ -403,7 +403,7 @@ class Runtime:
 
     def _graph_make(self, module, gkey: GraphKey, tile_rows: int | None):
         """(make(pool, stream) -> the graph of `gkey`, its estimated bytes)."""
-        body, p = self.body, self._param()
+        body, p = self.body, self.probe()
         config = graph_config(body.head_dim, gkey.width).replace(align=gkey.align)
 
         def make(pool, stream):  # the pool is the capture's (`RaggedGraph.record`), not the warm-up's
@@ -616,7 +616,7 @@ class Runtime:
             self.train_scales.seed(load_training_ratios(self.db_path, key, self.sig, policy.WINDOW))
         return planner
 
-    def _param(self) -> torch.Tensor:
+    def probe(self) -> torch.Tensor:
         """A parameter whose dtype and device stand for the module's, re-read when any parameter was
         re-registered (module attribute lookups cost microseconds)."""
         if self._probe_epoch != param_epoch():
