@@ -114,6 +114,9 @@ def test_a_key_is_captured_once_it_recurs_and_all_anew_when_the_trained_paramete
     assert run(300) is None and not graphs.graphs and not graphs.refused
     assert run(300) is not first and captured[-1] == first_key and list(graphs.graphs) == [first_key]
     assert len(graphs.params) == len(list(holder.parameters())) - 1
+    model.norm.weight.data = model.norm.weight.data.double()  # parameters of two dtypes share no gradient buffer
+    n = len(captured)
+    assert run(300) is None and run(300) is None and len(captured) == n and not graphs.graphs
     for p in model.parameters():
         p.requires_grad_(False)
     assert run(300) is None  # nothing to train: eager

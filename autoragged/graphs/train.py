@@ -13,12 +13,14 @@ batch; the attention kernels run a fixed grid whose spare programs exit.
 
 A key is captured once its batches recur (`RECUR`: the capture, a warm-up step and the recording, costs a few
 steps, paid only by a shape that comes back). A stack's graphs share one memory pool and one gradient buffer:
-what lives from one replay to the next is only the latest forward's activations, so the pool holds about one
-step's activations whatever the number of keys. Every output a replay writes is copied out before the next, and
-a backward whose forward's activations a later forward replaced recomputes its stack eagerly (`generation`).
-The pool stays within `MEMORY_SHARE` of the memory obtainable (the warm-up step measures a key's activations):
-where a larger key would pass it, the graphs start over in a pool sized by that key, and a key that alone
-would pass it runs eagerly.
+what lives from one replay to the next is only the latest forward's activations, so a key with fewer rows than one
+captured before fits the blocks that one's activations free, and a key with more adds about its own (its tensors
+fit no smaller key's blocks: six keys captured as they came took 11 GB, the largest alone 6.4; Qwen2.5-0.5B shape,
+8 documents a step, H100). Every output a replay writes is copied out before the next, and a backward whose
+forward's activations a later forward replaced recomputes its stack eagerly (`generation`). The pool stays within
+`MEMORY_SHARE` of the memory obtainable (the warm-up step measures a key's activations; `pool_fit`): where a
+larger key would pass it, the graphs start over in a pool sized by that key, and a key that alone would pass it
+runs eagerly.
 
 The graphs serve only what they replay exactly: no dropout inside the stack (a replay draws no new mask), no
 adapters, no gradient checkpointing, no autocast, no KV cache or hidden states (`fused_decoder.why_not_graphed`).
@@ -289,9 +291,8 @@ def pool_fit(reserved: int, kept: int, larger: bool, obtainable: int) -> str:
     """Whether a key whose forward keeps `kept` bytes is recorded into a pool of `reserved` bytes ("record"), into
     a fresh pool after the other graphs are dropped ("start over"), or not at all ("refuse"); `larger`: it has more
     rows than every captured key; `obtainable`: the device memory free or cached unused. The pool stays within
-    MEMORY_SHARE of what it and the obtainable memory make. A larger key grows the pool by about its activations
-    (its tensors fit none of the blocks the smaller keys freed: six keys captured as they came took 11 GB, the
-    largest alone 6.4; Qwen2.5-0.5B shape, 8 documents a step, H100); a smaller key fits the pool as it is."""
+    MEMORY_SHARE of what it and the obtainable memory make; a larger key grows it by about its activations, a
+    smaller key fits it as it is (the module docstring)."""
     if not larger:
         return "record"
     share = MEMORY_SHARE * (obtainable + reserved)
@@ -312,6 +313,7 @@ class TrainGraphs:
         self.failed: str | None = None
         self.params: list[nn.Parameter] = []  # the trained parameters the graphs were captured for
         self._ptrs: tuple[int, ...] = ()
+        self.mixed = False  # the parameters are of several dtypes: no graphs
         self.pool = None
         self.flat: torch.Tensor | None = None  # every captured backward's parameter gradients, flattened
         self.reserved_bytes = 0  # what the recordings took from the device (the pool's growth)
@@ -327,6 +329,8 @@ class TrainGraphs:
             return None
         if not self._serves(params):
             self._reset(params)
+        if self.mixed:
+            return None
         key = graph_key(x.shape[0], len(lengths))
         graph = self.graphs.get(key)
         if graph is None:
@@ -353,26 +357,24 @@ class TrainGraphs:
         )
 
     def _reset(self, params: list[nn.Parameter]) -> None:
-        """Drop every graph: they were captured for other parameters."""
-        self.graphs.clear()
+        """Start anew for these trained parameters: graphs captured for others serve them not."""
+        self._drop_graphs()
         self.seen.clear()
         self.refused.clear()
         self.params, self._ptrs = params, tuple(p.data_ptr() for p in params)
-        self.pool = self.flat = None
-        self.reserved_bytes = 0
+        self.mixed = len({p.dtype for p in params}) > 1  # (their gradients could not share one buffer)
+        self.flat = None
 
     def _drop_graphs(self) -> None:
         """Drop the graphs (they are captured anew as they recur) and their pool."""
-        self.graphs.clear()
-        self.pool = None  # (a new pool: the old one goes with its graphs)
+        if self.graphs:
+            self.graphs.clear()
+            torch.cuda.empty_cache()  # (the old pool's memory, freed with its graphs)
+        self.pool = None  # (PyTorch refuses a capture into a pool whose graphs were all freed)
         self.reserved_bytes = 0
-        torch.cuda.empty_cache()
 
     def _capture(self, key, config, head_dim, x) -> TrainGraph | None:
         device = x.device
-        if len({p.dtype for p in self.params}) > 1:
-            self.failed = "the stack's parameters have several dtypes (its gradients share one buffer)"
-            return None
         worker.note()  # this batch's time is no sample of its arm's cost
         stream = worker.stream(device, "capture")
         try:
@@ -401,9 +403,9 @@ class TrainGraphs:
         except torch.OutOfMemoryError:
             self.failed = f"out of memory capturing a training graph of {key.rows} rows"
             log.warning("autoragged: %s; training runs eagerly from now on", self.failed)
-            self.graphs.clear()
-            self.pool = self.flat = None
-            torch.cuda.empty_cache()
+            self._drop_graphs()
+            self.flat = None
+            torch.cuda.empty_cache()  # (also what the failed capture took)
             return None
         self.graphs[key] = graph
         log.info("autoragged: captured a training graph of %d rows, %d components: activations %.2f GB, the pool"
