@@ -18,7 +18,8 @@ table and appends a line to benchmarks/results/multi_gpu.jsonl.
   DataCollatorWithFlattening's packed format, the global batch's token-mean loss (`num_items_in_batch`). 6 warm-up
   steps, then 24 timed.
   The one-GPU run also trains the largest count's global batches (its ranks' bins, accumulated in one process)
-  for the first steps: the loss curves of the two are compared.
+  for the first steps: the loss curves of the two are compared. Each rank's training graphs (graphs/train.py) kept
+  when the timed steps begin and at their end are recorded: a capture among the timed steps stalls every rank.
 
 Before its timed part every rank runs a warm-up (2,000 documents, or the warm-up steps): kernel compiles and graphs.
 Columns: docs/s (tokens/s for ddp), the speed-up over one GPU, the spread of the ranks' finishing times (last over
@@ -186,6 +187,7 @@ def _ddp(args, out: pathlib.Path) -> dict:
                 _sync(device)
                 dist.barrier()
                 t0 = time.perf_counter()
+                captures[0] = _training_graphs(model)
             batches = [_sft_batch([docs[j] for j in b], device) for b in bins]
             targets = torch.tensor(float(sum(t for _, t in batches)), device=device)
             dist.all_reduce(targets)  # the step's targets over every rank: the global token mean, as one process
@@ -204,6 +206,8 @@ def _ddp(args, out: pathlib.Path) -> dict:
         seconds = time.perf_counter() - t0 if t0 is not None else None
         return [float(x) for x in losses], seconds, tokens
 
+    captures = [0]  # the training graphs kept when the timed steps began
+
     sampler = TokenBudgetBatchSampler(lengths, budget, align=16)  # num_replicas, rank: the process group's
     mine = [[b] for b in sampler]
     if len(mine) < warm_steps + steps:
@@ -214,8 +218,10 @@ def _ddp(args, out: pathlib.Path) -> dict:
     counts, arms = [None] * world, [None] * world
     dist.all_gather_object(counts, tokens)
     dist.all_gather_object(arms, reasons_of(net, steps))  # each rank's arms and reasons in the timed steps
+    graphs = [None] * world  # each rank's training graphs: kept when the timed steps began, and at their end
+    dist.all_gather_object(graphs, (captures[0], _training_graphs(net)))
     line = {"seconds": seconds, "tokens": sum(counts), "steps": steps, "losses": losses[:DDP_COMPARE]}
-    line |= {"policy": args.policy, "arms": arms}
+    line |= {"policy": args.policy, "arms": arms, "training_graphs": graphs}
     del ddp, net
     if world == 1 and compare_world > 1:  # the largest count's global batches, accumulated here
         per_rank = [
@@ -226,6 +232,13 @@ def _ddp(args, out: pathlib.Path) -> dict:
         model = autoragged.wrap(_copy(plain), db=False)
         line["reference_losses"] = train(model, shares, DDP_COMPARE, DDP_COMPARE)[0]
     return line
+
+
+def _training_graphs(model) -> int:
+    """The training graphs the wrapped modules in `model` keep (graphs/train.py)."""
+    import autoragged
+
+    return sum(s.training for s in autoragged.graph_stats(model).values())
 
 
 def _copy(model):
@@ -287,6 +300,7 @@ def row_of(task: str, gpus: int, line: dict, one: dict | None, args_gpus) -> dic
     row = {"task": task, "gpus": gpus, "launch_s": line["launch_s"]}
     if task == "ddp":
         row |= {"seconds": line["seconds"], "policy": line["policy"], "arms": line["arms"]}
+        row["training_graphs"] = line["training_graphs"]
         row["rate"] = line["tokens"] / line["seconds"]
         row["unit"] = "tokens/s"
         if one is not None and "reference_losses" in one and gpus == max(args_gpus):
