@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ._triton import tl, triton
 
@@ -119,6 +120,7 @@ class SiluMulFunction(torch.autograd.Function):
         return silu_mul(gate, up, inplace=False)
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors

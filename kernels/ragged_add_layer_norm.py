@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from ._config import KernelConfig, _identity, next_pow2
@@ -296,6 +297,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         return out, total
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy, dsum):
         x, residual, weight, bias = ctx.saved_tensors

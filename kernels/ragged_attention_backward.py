@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import ragged_attention as fwd
 from ._config import KernelConfig, dot_upcast, next_pow2
@@ -296,6 +297,7 @@ class _RaggedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors

@@ -24,6 +24,7 @@ PyTorch's autograd passes them through HF's casts.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._config import KernelConfig, next_pow2
 from ._triton import tl, triton
@@ -211,6 +212,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         return out, total
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, dy, dsum):
         x, residual, weight = ctx.saved_tensors

@@ -21,6 +21,7 @@ kernel run backwards (`rotary_backward`); cos and sin are constants.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._config import next_pow2
 from ._triton import tl, triton
@@ -162,6 +163,7 @@ class RotaryFunction(torch.autograd.Function):
         return _rotary(xs, cos, sin, transpose=False)
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable  # under a compiled step: eager, as the wrapped forward that ran it (models/hf.py)
     def backward(ctx, *dys):
         cos, sin = ctx.saved_tensors

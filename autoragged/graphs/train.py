@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..kernels import ragged_attention_backward as k_attn_bwd
 from ..kernels._config import aligned
@@ -267,6 +268,7 @@ class _Replay(torch.autograd.Function):
         return call.graph.y[: x.shape[0]].clone()
 
     @staticmethod
+    @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable
     def backward(ctx, gy):
         graphs, graph = ctx.call.graphs, ctx.call.graph
