@@ -211,10 +211,11 @@ class TrainGraph:
         gc.disable()  # a collection that destroys some other CUDA graph mid-capture makes the capture fail
         try:
             self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd, pool=pool, stream=stream):
+            # (thread-local: the background worker may be warming an inference graph up meanwhile)
+            with torch.cuda.graph(self.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.y = self._run()
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=pool, stream=stream):
+            with torch.cuda.graph(self.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(self.y, grad_of, self.gy, allow_unused=True)
                 self.gx = grads[0]
                 parts = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(self.aliases, grads[1:])]
