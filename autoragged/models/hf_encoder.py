@@ -21,7 +21,8 @@ Two ways to run the layers:
   the ragged graph, fed a mask or host lengths (its Triton linears stop at the rows the device counts);
 - modules (ModernBERT: pre-norm, GeGLU, rotary, local windows): the model's own layer modules on (1, rows, D),
   with our varlen kernel as their attention through transformers' attention interface (hf.py),
-  rotary positions counted within each sequence; the eager arm only (no graph: the linears are the model's).
+  rotary positions counted within each sequence; the eager arm only (no graph: the linears are the model's),
+  in training too (our attention's backward inside its modules).
 MPNet and DeBERTa do not route attention through the interface (a relative-position bias inside their
 attention): wrapped, they always run padded, with that reason.
 """
