@@ -131,16 +131,16 @@ def test_a_capture_on_the_callers_thread_makes_its_batch_no_timing():
     assert quiet_mark() != before
 
 
-def test_the_pool_stays_within_its_share_and_starts_over_for_a_larger_key():
+def test_the_pool_leaves_room_for_an_eager_step_and_starts_over_for_a_larger_key():
     GB = 2**30
-    share = train_graphs.MEMORY_SHARE
-    assert train_graphs.pool_fit(0, 4 * GB, True, int(4 * GB / share)) == "record"  # an empty pool, room for the key
-    assert train_graphs.pool_fit(0, 4 * GB, True, int(4 * GB / share) - 1) == "refuse"  # the key alone passes it
-    assert train_graphs.pool_fit(6 * GB, 5 * GB, False, 0) == "record"  # a smaller key: the blocks larger ones freed
-    # a larger key that would grow the pool past its share: the graphs start over, sized by it
-    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(13 * GB / share) - 6 * GB) == "record"  # 13 GB fit
-    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(10 * GB / share) - 6 * GB) == "start over"
-    assert train_graphs.pool_fit(6 * GB, 7 * GB, True, int(7 * GB / share) - 6 * GB - 1) == "refuse"
+    fit = train_graphs.pool_fit
+    assert fit(0, 4 * GB, True, 8 * GB) == "record"  # the key's activations, and an eager step's beside them
+    assert fit(0, 4 * GB, True, 8 * GB - 1) == "refuse"  # no room for the eager step
+    assert fit(6 * GB, 5 * GB, False, 0) == "record"  # a smaller key: the blocks larger ones freed
+    assert fit(6 * GB, 7 * GB, True, 14 * GB) == "record"  # a larger key grows the pool
+    # where the growth would leave no room, the graphs start over in a pool sized by the new key alone
+    assert fit(6 * GB, 7 * GB, True, 8 * GB) == "start over"
+    assert fit(6 * GB, 7 * GB, True, 8 * GB - 1) == "refuse"
 
 
 def test_graph_stats_counts_a_models_training_graphs():

@@ -100,7 +100,7 @@ def test_replayed_steps_are_the_eager_steps(make):
 
 
 def test_keys_refused_for_memory_run_eagerly(monkeypatch):
-    monkeypatch.setattr(train_graphs, "MEMORY_SHARE", 0.0)
+    monkeypatch.setattr(train_graphs, "obtainable_bytes", lambda device: 0)  # a full device
     _, graphed = _trained_alike(_packed)
     graphs = _body(graphed).train_graphs
     assert not graphs.graphs and len(graphs.refused) == 2 and graphs.pool is None

@@ -29,7 +29,7 @@ import torch
 from .capture import GraphKey
 from .worker import worker
 
-__all__ = ["GraphCache", "GraphStats", "GRAPH_MEMORY_FRACTION"]
+__all__ = ["GraphCache", "GraphStats", "GRAPH_MEMORY_FRACTION", "obtainable_bytes"]
 
 log = logging.getLogger("autoragged")
 
@@ -46,7 +46,7 @@ class GraphStats:
     unless captured now); pending: captures asked for and not done; failed: keys whose capture failed; evictions:
     graphs dropped to fit; training: training graphs kept (graphs/train.py); training_bytes: the device memory
     their recordings took; training_refused: keys of training batches that recurred but whose activations would
-    not fit the training graphs' memory share."""
+    not fit beside an eager step (graphs/train.py `pool_fit`)."""
 
     graphs: int = 0
     kept_bytes: int = 0
@@ -75,10 +75,10 @@ class _Warmed(NamedTuple):
     stream: object
 
 
-def _budget_bytes(device, fraction: float) -> int:
-    """`fraction` of what graphs could obtain: free device memory and what the allocator caches unused."""
+def obtainable_bytes(device) -> int:
+    """What graphs could obtain of the device's memory: free, and what the caching allocator holds unused."""
     free = torch.cuda.mem_get_info(device)[0]
-    return int(fraction * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class GraphCache:
@@ -205,7 +205,7 @@ class GraphCache:
 
     def _fits(self, device, nbytes: int) -> bool:
         if self.cap is None and self.budget_bytes is None:
-            self.budget_bytes = _budget_bytes(device, self.memory_fraction)
+            self.budget_bytes = int(self.memory_fraction * obtainable_bytes(device))
         return self.cap is not None or nbytes <= self.budget_bytes
 
     def _wider(self, key: GraphKey):

@@ -17,10 +17,10 @@ what lives from one replay to the next is only the latest forward's activations,
 captured before fits the blocks that one's activations free, and a key with more adds about its own (its tensors
 fit no smaller key's blocks: six keys captured as they came took 11 GB, the largest alone 6.4; Qwen2.5-0.5B shape,
 8 documents a step, H100). Every output a replay writes is copied out before the next, and a backward whose
-forward's activations a later forward replaced recomputes its stack eagerly (`generation`). The pool stays within
-`MEMORY_SHARE` of the memory obtainable (the warm-up step measures a key's activations; `pool_fit`): where a
-larger key would pass it, the graphs start over in a pool sized by that key, and a key that alone would pass it
-runs eagerly.
+forward's activations a later forward replaced recomputes its stack eagerly (`generation`). What the pool takes
+leaves room for one eager step as large (the warm-up step measures a key's activations; `pool_fit`): where a
+larger key's growth would not, the graphs start over in a pool sized by that key, and a key that would not fit
+even so runs eagerly.
 
 The graphs serve only what they replay exactly: no dropout inside the stack (a replay draws no new mask), no
 adapters, no gradient checkpointing, no autocast, no KV cache or hidden states (`fused_decoder.why_not_graphed`).
@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 from ..kernels import ragged_attention_backward as k_attn_bwd
 from ..kernels._config import aligned
 from ..planning.buckets import cublas_rows
+from .cache import obtainable_bytes
 from .worker import worker
 
 __all__ = [
@@ -51,15 +52,11 @@ __all__ = [
     "pool_fit",
     "static_meta",
     "RECUR",
-    "MEMORY_SHARE",
 ]
 
 log = logging.getLogger("autoragged")
 
 RECUR = 2  # batches of a key before it is captured: a shape seen once may never come back
-# of the memory obtainable (free and cached unused) that the graphs' pool may grow to: the rest is for the eager
-# steps of keys not captured, which need about as much again, and for the caller
-MEMORY_SHARE = 0.5
 MIN_COMPONENTS = 16  # (each component costs the attention kernels one program that exits)
 
 
@@ -284,35 +281,26 @@ class _Replay(torch.autograd.Function):
         return (None, None, None, None, gx, *grads)
 
 
-def _obtainable(device) -> int:
-    """Device memory a pool could take: free, and what the caching allocator holds unused."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def pool_fit(reserved: int, kept: int, larger: bool, obtainable: int) -> str:
     """Whether a key whose forward keeps `kept` bytes is recorded into a pool of `reserved` bytes ("record"), into
     a fresh pool after the other graphs are dropped ("start over"), or not at all ("refuse"); `larger`: it has more
-    rows than every captured key; `obtainable`: the device memory free or cached unused. The pool stays within
-    MEMORY_SHARE of what it and the obtainable memory make; a larger key grows it by about its activations, a
-    smaller key fits it as it is (the module docstring)."""
-    if not larger:
+    rows than every captured key; `obtainable`: the device memory free or cached unused. A smaller key fits the
+    pool as it is; a larger one grows it by about its activations (the module docstring). What the pool takes must
+    leave room for one eager step as large, the step of a key not captured yet."""
+    if not larger or 2 * kept <= obtainable:
         return "record"
-    share = MEMORY_SHARE * (obtainable + reserved)
-    if reserved + kept <= share:
-        return "record"
-    return "start over" if kept <= share else "refuse"
+    return "start over" if 2 * kept <= obtainable + reserved else "refuse"
 
 
 class TrainGraphs:
     """One stack's (`holder`'s) training graphs by key, captured where batches recur (`RECUR`), in one pool that
-    stays within `MEMORY_SHARE` of the memory obtainable."""
+    leaves room for an eager step (`pool_fit`)."""
 
     def __init__(self, holder: StackModule):
         self.holder = holder
         self.seen: dict[TrainGraphKey, int] = {}
         self.graphs: dict[TrainGraphKey, TrainGraph] = {}
-        self.refused: set[TrainGraphKey] = set()  # keys whose activations would not fit the pool's share
+        self.refused: set[TrainGraphKey] = set()  # keys whose activations would not fit (`pool_fit`)
         self.failed: str | None = None
         self.params: list[nn.Parameter] = []  # the trained parameters the graphs were captured for
         self._ptrs: tuple[int, ...] = ()
@@ -387,11 +375,11 @@ class TrainGraphs:
             # each capture kept a step's activations, and a Qwen2.5-0.5B SFT table ran out of memory on an H100)
             torch.cuda.empty_cache()
             larger = key.rows > max((k.rows for k in self.graphs), default=0)
-            fit = pool_fit(self.reserved_bytes, kept, larger, _obtainable(device))
+            fit = pool_fit(self.reserved_bytes, kept, larger, obtainable_bytes(device))
             if fit == "refuse":
                 self.refused.add(key)
-                log.info("autoragged: no training graph of %d rows: its %.1f GB would pass the pool's share of the"
-                         " memory", key.rows, kept / 2**30)  # fmt: skip
+                log.info("autoragged: no training graph of %d rows: its %.1f GB and an eager step's would not fit",
+                         key.rows, kept / 2**30)  # fmt: skip
                 return None
             if fit == "start over":
                 self._drop_graphs()
