@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 from ..kernels import ragged_attention_backward as k_attn_bwd
 from ..kernels._config import aligned
 from ..planning.buckets import cublas_rows
+from ..ragged.layout import Layout
 from .cache import obtainable_bytes
 from .worker import worker
 
@@ -334,8 +335,6 @@ class TrainGraphs:
         holder = self.holder
 
         def eager(xx, c, s):
-            from ..ragged.layout import Layout
-
             return holder(xx, Layout.make(tuple(lengths)), config, (c[None], s[None]))
 
         return _Replay.apply(_Call(self, graph, eager), tuple(lengths), cos, sin, x, *params)
