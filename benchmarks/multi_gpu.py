@@ -15,8 +15,8 @@ table and appends a line to benchmarks/results/multi_gpu.jsonl.
   `run_job(output="token_logprobs")`, timed the same way.
 - ddp: Qwen2.5-0.5B-shape SFT: `DistributedDataParallel(autoragged.wrap(model))`, fused AdamW, each rank a
   `TokenBudgetBatchSampler` bin of at most 8,192 tokens a step (the same per-GPU budget at every GPU count) in
-  DataCollatorWithFlattening's packed format, the global batch's token-mean loss (`num_items_in_batch`). 6 warm-up
-  steps, then 24 timed.
+  DataCollatorWithFlattening's packed format, the global batch's token-mean loss (`num_items_in_batch`). 8 warm-up
+  steps, then 48 timed.
   The one-GPU run also trains the largest count's global batches (its ranks' bins, accumulated in one process)
   for the first steps: the loss curves of the two are compared. Each rank's training graphs (graphs/train.py) kept
   when the timed steps begin and at their end are recorded: a capture among the timed steps stalls every rank.
@@ -52,7 +52,7 @@ from benchmarks._common import header, parser, reasons_of, record, require_cuda,
 TASKS = ("embed", "score", "ddp")
 DOCS = {"embed": 100_000, "score": 8_000}
 WARM_DOCS = 2_000
-DDP_BUDGET, DDP_WARM, DDP_STEPS, DDP_COMPARE = 8192, 6, 24, 8
+DDP_BUDGET, DDP_WARM, DDP_STEPS, DDP_COMPARE = 8192, 8, 48, 8
 LOGNORMAL = (math.log(300), 0.8, 16, 2048)
 TINY_BERT = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 TINY_QWEN = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -19,9 +19,11 @@ transformers = pytest.importorskip("transformers")
 def test_keys_take_the_eager_arms_row_rungs_and_keep_a_component_for_the_spare_rows():
     for rows in (1, 300, 512, 513, 2433, 8192, 9000):
         assert train_graphs.graph_key(rows, 3).rows == cublas_rows(rows) >= rows
-    assert train_graphs.graph_key(512, 15).components == 16  # 15 sequences and the spare rows' component
-    assert train_graphs.graph_key(513, 16).components == 32
-    assert train_graphs.graph_key(8192, 40).components == 64
+    floor = train_graphs.MIN_COMPONENTS
+    assert train_graphs.graph_key(512, 3).components == floor
+    assert train_graphs.graph_key(512, floor - 1).components == floor  # and the spare rows' component
+    assert train_graphs.graph_key(8192, floor).components == 2 * floor
+    assert train_graphs.graph_key(8192, 2 * floor + 5).components == 4 * floor
 
 
 def test_the_static_layout_holds_the_batch_the_spare_rows_and_exiting_programs():
