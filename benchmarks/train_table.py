@@ -15,10 +15,11 @@ model's own cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
 Per row, each column trains a copy of the same initial weights: WARM steps (the wrapped model's policy tries its
 arms), then TIMED new steps back to back with one synchronisation at the end (the first pass: every batch a new padded
 length and token count, as the first epoch meets them), then the same steps again twice (the second pass, the faster
-of the two: shapes seen before, as in later epochs). The columns take turns pass by pass (padded, auto, ragged, then
-the reverse, then forward again), so a drift of the shared host's speed hits them alike. Cells are ms per step;
-GiB is the peak memory of a column's passes, the three models and their optimizer states resident. `loss_err`: on the
-row's first timed batch, with dropout off and the initial weights, |loss of the column - the fp32 model's in float64|.
+of the two: shapes seen before, as in later epochs). The columns train one after the other (padded, auto, ragged),
+each model freed before the next: the wrapped models' training graphs keep a pool of activations (26 GiB for RACE
+at B=128), and two such pools beside HF's padded step do not fit an 80 GB card. Cells are ms per step; GiB is the
+peak memory of a column's passes. `loss_err`: on the row's first timed batch, with dropout off and the initial
+weights, |loss of the column - the fp32 model's in float64|.
 
 Columns: padded (the HF model), auto (autoragged.wrap(model, db=False): a fresh database, chooses per batch), ragged
 (wrap(..., policy="ragged")). Goals (issue 45), on the second pass: auto at least 0.97x padded on every row and at
@@ -157,7 +158,8 @@ def _steps(c: Column, batches: list, device) -> bool:
 
 def race(columns: dict[str, Column], row: dict, device) -> None:
     """Warm each column up, then its timed batches: pass 1 (new), then twice more (pass 2, the faster), the columns
-    taking turns pass by pass (forward, reverse, forward); ms per step, peak GiB and out-of-memory into `row`."""
+    taking turns pass by pass (forward, reverse, forward); ms per step, peak GiB and out-of-memory into `row` (which
+    may hold the columns of an earlier call: the ratios to padded come out once it is there)."""
     names = list(columns)
     oom = {col for col, c in columns.items() if not _steps(c, c.warm, device)}
     for n, order in enumerate((names, names[::-1], names)):
@@ -205,13 +207,19 @@ def bench_row(plain, plain64, dataset: str, batch: int, device) -> dict:
     padded_tokens = float(np.mean([b["attention_mask"].numel() for b in timed]))
     row = {"dataset": dataset, "batch": batch, "tokens": tokens, "padding": 1 - tokens / padded_tokens}
     exact = loss_of(plain64, timed[0], device, torch.float64)
-    columns = {}
-    for col in COLUMNS:
+    for col in COLUMNS:  # one at a time (the module docstring)
         model, opt = column_model(plain, col)
         row[f"{col}_loss_err"] = abs(loss_of(model, timed[0], device) - exact)
-        columns[col] = Column(model, opt, warm, timed, step)
-    race(columns, row, device)
+        race({col: Column(model, opt, warm, timed, step)}, row, device)
+        del model, opt
+        free(device)
     return row
+
+
+def free(device) -> None:
+    gc.collect()  # (a wrapped model's training graphs sit in a reference cycle)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # -- decoder SFT ------------------------------------------------------------------------------------------------
@@ -279,9 +287,7 @@ def sft_row(plain, name: str, docs: int, device, args) -> dict:
             columns[col] = Column(model, opt, [b[fmt] for b in warm], [b[fmt] for b in timed], sft_step)
         race(columns, row, device)
         del columns, model, opt
-        gc.collect()  # the next group starts with these models, optimizer states and graphs freed
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free(device)  # the next group starts with these models, optimizer states and graphs freed
     for col in SFT_COLUMNS:
         row[f"{col}_loss_diff"] = abs(row[f"{col}_loss"] - row["padded_loss"])
     return row

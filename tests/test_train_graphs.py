@@ -2,10 +2,13 @@
 a graph may replay, when a key is captured, the pool's memory rule, what `graph_stats` counts. Their replays are
 tested on the GPU (test_train_graphs_cuda.py)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from autoragged.kernels import ragged_attention_backward as k_attn_bwd
+from torch import nn
 
 import autoragged
 from autoragged.graphs import train as train_graphs
@@ -62,9 +65,7 @@ def test_only_calls_a_replay_repeats_exactly_are_graphed():
     assert fused_decoder.why_not_graphed(stack, x, layout) == "not a CUDA training call"
     fake_cuda = type("T", (), {"is_cuda": True, "device": torch.device("cpu")})()
     assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) is None
-    assert fused_decoder.why_not_graphed(stack, fake_cuda, Layout.make((3, 1), align=16)) == (
-        "not a canonical packed layout"
-    )
+    assert fused_decoder.why_not_graphed(stack, fake_cuda, Layout.make((3, 1), align=16)) == ("not a packed layout")
     with torch.no_grad():
         assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "not a CUDA training call"
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -73,6 +74,36 @@ def test_only_calls_a_replay_repeats_exactly_are_graphed():
     assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) == "attention dropout"
     model.gradient_checkpointing_enable()
     assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "gradient checkpointing"
+
+
+def test_only_encoder_calls_a_replay_repeats_exactly_are_graphed():
+    from autoragged.models import encoder, hf_encoder
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, attention_probs_dropout_prob=0.0)  # fmt: skip
+    model = transformers.BertModel(config).train()
+    specs = hf_encoder.FAMILIES["bert"].layers(model)
+    fake_cuda = type("T", (), {"is_cuda": True, "device": torch.device("cpu")})()
+    layout = Layout.make((3, 1))
+    assert encoder.why_not_graphed(specs, torch.zeros(4, 32), layout, True) == "not a CUDA training call"
+    assert encoder.why_not_graphed(specs, fake_cuda, layout, True) is None  # hidden dropout: drawn anew per replay
+    spare = Layout((3, 1), 1, (0, 3, 4), 8, canonical=False)  # the eager arm's cuBLAS rung: 4 spare rows
+    assert spare.packed and encoder.why_not_graphed(specs, fake_cuda, spare, True) is None
+    gap = Layout.from_offsets((0, 4, 5), (3, 1), 5)  # a row between the components
+    assert not gap.packed and encoder.why_not_graphed(specs, fake_cuda, gap, True) == "not a packed layout"
+    assert encoder.why_not_graphed(specs, fake_cuda, Layout.make((3, 1), align=16), True) == ("not a packed layout")
+    assert encoder.why_not_graphed(specs, fake_cuda, Layout.with_query_rows((3, 1), torch.device("cpu")), True) == (
+        "not a packed layout"
+    )
+    with torch.no_grad():
+        assert encoder.why_not_graphed(specs, fake_cuda, layout, True) == "not a CUDA training call"
+    dropped = hf_encoder.FAMILIES["bert"].layers(transformers.BertModel(transformers.BertConfig(**{
+        **config.to_dict(), "attention_probs_dropout_prob": 0.1})))  # fmt: skip
+    assert encoder.why_not_graphed(dropped, fake_cuda, layout, True) == "attention dropout"
+    assert encoder.why_not_graphed(dropped, fake_cuda, layout, False) is None  # (eval: no dropout drawn)
+    adapted = [dataclasses.replace(specs[0], out=nn.Linear(32, 32))]  # (a peft linear: a module)
+    assert encoder.why_not_graphed(adapted, fake_cuda, layout, True) == "an adapter layer"
+    assert {id(t) for s in specs for t in encoder.spec_tensors(s)} <= {id(p) for p in model.encoder.parameters()}
 
 
 class _FakeGraph:
@@ -88,17 +119,17 @@ def test_a_key_is_captured_once_it_recurs_and_all_anew_when_the_trained_paramete
     graphs = train_graphs.TrainGraphs(holder)
     captured = []
 
-    def capture(key, config, head_dim, x):
+    def capture(key, config, head_dim, x, tables, amp):
         captured.append(key)
         graphs.graphs[key] = graph = _FakeGraph(key)
         return graph
 
     monkeypatch.setattr(graphs, "_capture", capture)
-    monkeypatch.setattr(train_graphs._Replay, "apply", staticmethod(lambda call, *rest: call.graph))
+    monkeypatch.setattr(train_graphs._Replay, "apply", staticmethod(lambda graphs, graph, *rest: graph))
 
-    def run(rows):
+    def run(rows, mode=()):
         x, tables = torch.zeros(rows, 32), (torch.zeros(rows, 16), torch.zeros(rows, 16))
-        return graphs.run(x, (rows,), None, 16, *tables)
+        return graphs.run(x, (rows,), None, 16, tables, mode)
 
     first_key = train_graphs.graph_key(300, 1)
     assert run(300) is None and not captured  # seen once: eager
@@ -116,6 +147,8 @@ def test_a_key_is_captured_once_it_recurs_and_all_anew_when_the_trained_paramete
     assert run(300) is None and not graphs.graphs and not graphs.refused
     assert run(300) is not first and captured[-1] == first_key and list(graphs.graphs) == [first_key]
     assert len(graphs.params) == len(list(holder.parameters())) - 1
+    assert run(300, mode=(0.1,)) is None and not graphs.graphs  # another mode (a dropout probability): anew
+    assert run(300, mode=(0.1,)) is not None and run(300) is None and not graphs.graphs
     model.norm.weight.data = model.norm.weight.data.double()  # parameters of two dtypes share no gradient buffer
     n = len(captured)
     assert run(300) is None and run(300) is None and len(captured) == n and not graphs.graphs

@@ -1,4 +1,5 @@
-"""Training graphs: a fused decoder stack's forward and backward on packed rows, replayed as two CUDA graphs.
+"""Training graphs: a fused stack's forward and backward on packed rows, replayed as two CUDA graphs (the decoders'
+Llama/Mistral/Qwen stack, the BERT family's encoder stack).
 
 An eager training step of a Qwen2.5-0.5B-shaped model on 2,400 packed rows is host-bound: about 44 ms of GPU
 work, and 35-43 ms of forward plus 37-70 ms of backward host time (launches, autograd nodes); on tiny batches the
@@ -22,9 +23,14 @@ leaves room for one eager step as large (the warm-up step measures a key's activ
 larger key's growth would not, the graphs start over in a pool sized by that key, and a key that would not fit
 even so runs eagerly.
 
-The graphs serve only what they replay exactly: no dropout inside the stack (a replay draws no new mask), no
-adapters, no gradient checkpointing, no autocast, no KV cache or hidden states (`fused_decoder.why_not_graphed`).
-Gradients come out of the shared buffer, cloned per backward, so that accumulating over several backwards is right.
+A backward whose forward's activations are gone (a later replay of any key, or an earlier backward, reused their
+memory) replays its forward again first, from its saved input and the random state its replay started from: the
+hidden dropouts (PyTorch's, whose replays draw new masks) draw the same masks again. The graphs serve only what they
+replay exactly: no attention dropout (our kernel's seed is a host number), no adapters, no gradient checkpointing,
+no KV cache or hidden states (`fused_decoder.why_not_graphed`, `encoder.why_not_graphed`); autocast is captured as
+the call has it (its casts read the current weights), and what the capture bakes in besides the parameters (autocast,
+dropout probabilities) is the graphs' `mode`: another mode starts them anew. Gradients come out of the shared buffer,
+cloned per backward, so that accumulating over several backwards is right.
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ from torch.autograd.function import once_differentiable
 from ..kernels import ragged_attention_backward as k_attn_bwd
 from ..kernels._config import aligned
 from ..planning.buckets import cublas_rows
-from ..ragged.layout import Layout
 from .cache import obtainable_bytes
 from .worker import worker
 
 __all__ = [
+    "ENABLED",
     "StackModule",
     "TrainGraphKey",
     "TrainGraphs",
@@ -57,6 +63,9 @@ __all__ = [
 
 log = logging.getLogger("autoragged")
 
+# off: every training call of a stack runs eagerly (a Qwen2.5-0.5B SFT step of 8 documents: 52.7 ms replayed against
+# 66.2 eager, H200)
+ENABLED = True
 RECUR = 2  # batches of a key before it is captured: a shape seen once may never come back
 # the floor of a key's sequence count: 16 split 8,192-token DDP bins of 15 and of 16-31 documents into two keys, whose
 # first sights stalled every rank (1.76x on 2 GPUs, 1.97x at 64); a component costs each head one exiting program
@@ -149,25 +158,27 @@ class _StaticLayout:
 
 class StackModule(nn.Module):
     """The graphed layers as one module, whose parameters `torch.func.functional_call` swaps: `run(x, layout,
-    config, position_embeddings)` is the stack's forward, over `parts` (its modules)."""
+    config, tables)` is the stack's forward over `parts` (its modules, whose parameters it reads as it runs);
+    `tables`: per-row inputs beside x (the decoders' rotary cos and sin), each (rows, width)."""
 
     def __init__(self, run, parts: list[nn.Module]):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.run = run
 
-    def forward(self, x, layout, config, position_embeddings):
-        return self.run(x, layout, config, position_embeddings)
+    def forward(self, x, layout, config, tables):
+        return self.run(x, layout, config, tables)
 
     def trained(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
 
 class TrainGraph:
-    """One key's graphs: static rows, rotary tables, layout and output gradient; the forward, and the backward into
+    """One key's graphs: static rows, per-row tables, layout and output gradient; the forward, and the backward into
     the stack's shared gradient buffer. Its static buffers are its own, outside the pool."""
 
-    def __init__(self, holder: StackModule, key: TrainGraphKey, config, head_dim: int, like: torch.Tensor):
+    def __init__(self, holder: StackModule, key: TrainGraphKey, config, head_dim: int, like: torch.Tensor,
+                 tables: tuple[torch.Tensor, ...], amp: torch.dtype | None):  # fmt: skip
         self.key = key
         named = [(n, p) for n, p in holder.named_parameters() if p.requires_grad]
         self.shapes = [p.shape for _, p in named]
@@ -175,8 +186,8 @@ class TrainGraph:
         device, dtype = like.device, like.dtype
         R, D = key.rows, like.shape[1]
         self.x = torch.zeros(R, D, dtype=dtype, device=device, requires_grad=True)
-        self.cos = torch.zeros(R, head_dim, dtype=dtype, device=device)
-        self.sin = torch.zeros(R, head_dim, dtype=dtype, device=device)
+        self.tables = tuple(torch.zeros(R, t.shape[1], dtype=t.dtype, device=device) for t in tables)
+        self.amp = amp  # the autocast dtype the forward runs under, or None
         self.meta = torch.zeros(_sections(key, self.block_sizes).size, dtype=torch.int32, device=device)
         self.meta.copy_(torch.from_numpy(static_meta((), key, self.block_sizes)))
         self.gy = torch.zeros(R, D, dtype=dtype, device=device)
@@ -185,7 +196,7 @@ class TrainGraph:
         # gradient accumulators live on the default stream, which a capture must not wait on
         self.aliases = [p.detach().requires_grad_() for _, p in named]
         swap = {n: alias for (n, _), alias in zip(named, self.aliases)}
-        args = (self.x, layout, config, (self.cos[None], self.sin[None]))
+        args = (self.x, layout, config, self.tables)
         # (a closure over these, never over self: a cycle would keep the graph's memory until a collection)
         self._run = lambda: torch.func.functional_call(holder, swap, args, tie_weights=False)
         self.fwd = self.bwd = self.y = self.gx = None
@@ -197,7 +208,8 @@ class TrainGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             before = torch.cuda.memory_allocated(device)
-            y = self._run()
+            with self._autocast():
+                y = self._run()
             kept = torch.cuda.memory_allocated(device) - before
             torch.autograd.grad(y, [self.x, *self.aliases], self.gy, allow_unused=True)
             del y
@@ -213,7 +225,8 @@ class TrainGraph:
             self.fwd = torch.cuda.CUDAGraph()
             # (thread-local: the background worker may be warming an inference graph up meanwhile)
             with torch.cuda.graph(self.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.y = self._run()
+                with self._autocast():
+                    self.y = self._run()
             self.bwd = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(self.y, grad_of, self.gy, allow_unused=True)
@@ -225,14 +238,18 @@ class TrainGraph:
             if collecting:
                 gc.enable()
 
-    def load(self, x: torch.Tensor, lengths, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def _autocast(self):
+        # (no cache: a replay casts the weights as they are then, after the optimizer's steps)
+        return torch.autocast("cuda", self.amp or torch.float16, enabled=self.amp is not None, cache_enabled=False)
+
+    def load(self, x: torch.Tensor, lengths, tables: tuple[torch.Tensor, ...]) -> None:
         """Copy a batch in and replay the forward."""
         rows = x.shape[0]
         meta = torch.from_numpy(static_meta(lengths, self.key, self.block_sizes))
         with torch.no_grad():
             self.x[:rows].copy_(x)
-            self.cos[:rows].copy_(cos)
-            self.sin[:rows].copy_(sin)
+            for static, table in zip(self.tables, tables):
+                static[:rows].copy_(table)
             self.meta.copy_(meta.pin_memory() if self.meta.is_cuda else meta, non_blocking=True)
         self.fwd.replay()
 
@@ -247,40 +264,32 @@ class TrainGraph:
         return self.gx[:rows].clone(), grads
 
 
-class _Call(NamedTuple):
-    """What a replayed call's backward needs: the stack's graphs, the key's graph, and for an eager recompute the
-    stack as a function of (x, cos, sin)."""
-
-    graphs: TrainGraphs
-    graph: TrainGraph
-    eager: object
-
-
 class _Replay(torch.autograd.Function):
-    """The stack's output rows from a replay; its backward replays the backward graph (or recomputes eagerly where
-    a later forward replaced this one's activations)."""
+    """The stack's output rows from a replay of `graph`; its backward replays the backward graph, after the forward
+    again where the activations are gone (`TrainGraphs.generation`)."""
 
     @staticmethod
-    def forward(ctx, call: _Call, lengths, cos, sin, x, *params):
-        call.graph.load(x, lengths, cos, sin)
-        call.graphs.generation += 1
-        ctx.call, ctx.generation, ctx.tables = call, call.graphs.generation, (cos, sin)
+    def forward(ctx, graphs: TrainGraphs, graph: TrainGraph, lengths, tables, x, *params):
+        ctx.rng = torch.cuda.get_rng_state(x.device)  # (host state: no sync) the dropout masks a replay draws
+        graph.load(x, lengths, tables)
+        graphs.generation += 1
+        ctx.graphs, ctx.graph, ctx.generation, ctx.batch = graphs, graph, graphs.generation, (lengths, tables)
         ctx.save_for_backward(x)
-        return call.graph.y[: x.shape[0]].clone()
+        return graph.y[: x.shape[0]].clone()
 
     @staticmethod
     @once_differentiable  # (our kernels give first derivatives only: a second is an error, never silent)
     @torch.compiler.disable
     def backward(ctx, gy):
-        graphs, graph = ctx.call.graphs, ctx.call.graph
-        if ctx.generation == graphs.generation:
-            gx, grads = graph.backward(gy, graphs.flat)
-        else:  # a later forward's replay replaced this one's activations: recompute the stack
+        graphs, graph = ctx.graphs, ctx.graph
+        if ctx.generation != graphs.generation:  # the activations are gone: replay the forward as it ran
             (x,) = ctx.saved_tensors
-            with torch.enable_grad():
-                x = x.detach().requires_grad_()
-                y = ctx.call.eager(x, *ctx.tables)
-                gx, *grads = torch.autograd.grad(y, [x, *graphs.params], gy, allow_unused=True)
+            now = torch.cuda.get_rng_state(x.device)
+            torch.cuda.set_rng_state(ctx.rng, x.device)
+            graph.load(x, *ctx.batch)
+            torch.cuda.set_rng_state(now, x.device)
+        gx, grads = graph.backward(gy, graphs.flat)
+        graphs.generation += 1  # (the backward's replay reuses the activations' blocks)
         return (None, None, None, None, gx, *grads)
 
 
@@ -308,38 +317,40 @@ class TrainGraphs:
         self.params: list[nn.Parameter] = []  # the trained parameters the graphs were captured for
         self._ptrs: tuple[int, ...] = ()
         self.mixed = False  # the parameters are of several dtypes: no graphs
+        self.mode: tuple = ()  # what the graphs bake in besides the parameters (`run`)
         self.pool = None
         self.flat: torch.Tensor | None = None  # every captured backward's parameter gradients, flattened
         self.reserved_bytes = 0  # what the recordings took from the device (the pool's growth)
-        self.generation = 0  # forward replays so far: only the latest one's activations are in the pool
+        self.generation = 0  # replays so far: the pool holds the activations of the latest, if a forward
 
-    def run(self, x, lengths, config, head_dim: int, cos, sin):
-        """The stack's output rows for packed x (rows, D) of a batch of `lengths` through its key's graph, or None
-        where none serves it (then the caller runs eagerly)."""
+    def run(self, x, lengths, config, head_dim: int, tables: tuple[torch.Tensor, ...] = (), mode: tuple = ()):
+        """The stack's output rows for packed x (rows, D) of a batch of `lengths` (and per-row `tables`) through
+        its key's graph, or None where none serves it (then the caller runs eagerly). `mode`: what the stack's run
+        bakes into a capture besides the parameters and autocast (its dropout probabilities)."""
         if self.failed is not None:
             return None
         params = self.holder.trained()
         if not params:
             return None
-        if not self._serves(params):
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        mode = (amp, *mode)
+        if not self._serves(params) or mode != self.mode:
             self._reset(params)
+            self.mode = mode
         if self.mixed:
             return None
-        key = graph_key(x.shape[0], len(lengths))
+        key = graph_key(sum(lengths), len(lengths))  # (x may hold spare rows: the eager arm's rung, `cublas_rows`)
+        if x.shape[0] > key.rows:
+            return None
         graph = self.graphs.get(key)
         if graph is None:
             self.seen[key] = count = self.seen.get(key, 0) + 1
             if count < RECUR or key in self.refused:
                 return None
-            graph = self._capture(key, config, head_dim, x)
+            graph = self._capture(key, config, head_dim, x, tables, amp)
             if graph is None:
                 return None
-        holder = self.holder
-
-        def eager(xx, c, s):
-            return holder(xx, Layout.make(tuple(lengths)), config, (c[None], s[None]))
-
-        return _Replay.apply(_Call(self, graph, eager), tuple(lengths), cos, sin, x, *params)
+        return _Replay.apply(self, graph, tuple(lengths), tables, x, *params)
 
     def _serves(self, params: list[nn.Parameter]) -> bool:
         """Whether the captured parameters are still these, where they were (`model.to(...)`, a reassigned or
@@ -365,12 +376,12 @@ class TrainGraphs:
         self.pool = None  # (PyTorch refuses a capture into a pool whose graphs were all freed)
         self.reserved_bytes = 0
 
-    def _capture(self, key, config, head_dim, x) -> TrainGraph | None:
+    def _capture(self, key, config, head_dim, x, tables, amp) -> TrainGraph | None:
         device = x.device
         worker.note()  # this batch's time is no sample of its arm's cost
         stream = worker.stream(device, "capture")
         try:
-            graph = TrainGraph(self.holder, key, config, head_dim, x)
+            graph = TrainGraph(self.holder, key, config, head_dim, x, tables, amp)
             kept = graph.warm_up(stream)
             # the warm-up's blocks are cached for the capture stream alone: give them back (one sync; without it
             # each capture kept a step's activations, and a Qwen2.5-0.5B SFT table ran out of memory on an H100)

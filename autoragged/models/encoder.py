@@ -34,6 +34,8 @@ __all__ = [
     "encoder_values",
     "linear_config",
     "autocast_reason",
+    "why_not_graphed",
+    "spec_tensors",
     "FUSED_ACTIVATIONS",
 ]
 
@@ -122,6 +124,30 @@ def autocast_reason(dtype: torch.dtype) -> str | None:
     parameters autocast's LayerNorm runs with), or None."""
     if dtype != torch.float32:
         return f"autocast over {str(dtype)[6:]} parameters (the ragged arm's norms take float32 ones)"
+    return None
+
+
+def spec_tensors(spec: EncoderLayerSpec) -> list[torch.Tensor]:
+    """The parameters a layer's spec holds (its linears' and norms'), or [] where a linear is a module."""
+    linears = (*spec.qkv, spec.out, spec.ff1, spec.ff2)
+    if any(isinstance(linear, nn.Module) for linear in linears):
+        return []
+    held = [t for linear in linears for t in linear] + [*spec.norm1[:2], *spec.norm2[:2]]
+    return [t for t in held if t is not None]
+
+
+def why_not_graphed(specs: list[EncoderLayerSpec], x: torch.Tensor, layout, training: bool) -> str | None:
+    """Why a training graph (graphs/train.py) cannot replay this call of the layers exactly, or None: a replay
+    draws the attention kernel's dropout seed of its capture and runs no adapter's own code."""
+    if not x.is_cuda or not torch.is_grad_enabled():
+        return "not a CUDA training call"
+    if type(layout) is not Layout or not layout.packed:  # (query-only rows: no)
+        return "not a packed layout"
+    for spec in specs:
+        if training and spec.dropout.probs:
+            return "attention dropout"
+        if not spec_tensors(spec):
+            return "an adapter layer"
     return None
 
 

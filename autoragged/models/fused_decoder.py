@@ -153,8 +153,8 @@ def why_not_graphed(stack: DecoderStack, x: torch.Tensor, layout) -> str | None:
         return "not a CUDA training call"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast"
-    if getattr(layout, "align", None) != 1 or not getattr(layout, "canonical", False):
-        return "not a canonical packed layout"
+    if not getattr(layout, "packed", False):
+        return "not a packed layout"
     for layer in stack.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if layer_checkpoint(layer) is not None:

@@ -80,9 +80,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Llama-style layers run by our fused kernels where they can (fused_decoder.py); False: always the model's own
 # modules (benchmarks/diagnostics/llm_layers.py compares the two)
 FUSED_LAYERS = True
-# A fused stack's training steps replay its forward and backward as CUDA graphs where their row rung recurs
-# (graphs/train.py): a Qwen2.5-0.5B SFT step of 8 documents took 52.7 ms against 66.2 eager (H200); False: eager
-TRAIN_GRAPHS = True
 
 
 # -- where each family keeps what the ragged arm needs ---------------------------------------------------
@@ -167,6 +164,11 @@ def _repad(t: torch.Tensor, flat: torch.Tensor, B: int, L: int) -> torch.Tensor:
     out = rows.new_zeros((B * L + 1, *rows.shape[1:]))
     out.index_copy_(0, flat, rows)
     return out[: B * L].view(B, L, *rows.shape[1:]).transpose(1, 2)
+
+
+def _stack_run(stack, x, layout, config, tables):
+    """The fused stack as a training graph runs it (graphs/train.py `StackModule`): tables are the rows' (cos, sin)."""
+    return _fused_decoder.run(stack, x, layout, config, tuple(t[None] for t in tables))
 
 
 class HFDecoderBody(_hf.HFBody):
@@ -264,7 +266,7 @@ class HFDecoderBody(_hf.HFBody):
             stack = _fused_decoder.DecoderStack(
                 self._list[: self.config.num_hidden_layers], family.norm(base), family.window_of
             )
-            if TRAIN_GRAPHS and sink is None and hidden is None:
+            if _train_graphs.ENABLED and sink is None and hidden is None:
                 y = self._graphed(stack, x, layout, config, kwargs["position_embeddings"])
                 if y is not None:
                     return y
@@ -280,11 +282,11 @@ class HFDecoderBody(_hf.HFBody):
             return None
         if self.train_graphs is None:
             parts = [*stack.layers, stack.final_norm]
-            holder = _train_graphs.StackModule(functools.partial(_fused_decoder.run, stack), parts)
+            holder = _train_graphs.StackModule(functools.partial(_stack_run, stack), parts)
             self.train_graphs = _train_graphs.TrainGraphs(holder)
-        cos, sin = (t[0] for t in position_embeddings)
+        tables = tuple(t[0] for t in position_embeddings)  # (cos, sin)
         head_dim = stack.layers[0].self_attn.head_dim
-        return self.train_graphs.run(x, layout.lengths, config, head_dim, cos, sin)
+        return self.train_graphs.run(x, layout.lengths, config, head_dim, tables)
 
     def _rope(self, h: torch.Tensor, layout, rows: int, call) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (1, rows, rotary dim): the model's rotary_emb on the position table the original uses,

@@ -39,13 +39,14 @@ from transformers import PreTrainedModel
 from transformers import modeling_outputs as outputs
 from transformers.activations import GELUActivation
 
+from ..graphs import train as _train_graphs
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import hf as _hf
 from . import sentence as _sentence
 from ._modules import adapted_linear, layer_checkpoint, own_layers
 from .base import EpochCache
-from .encoder import Dropouts, EncoderLayerSpec, autocast_reason, encoder_values
+from .encoder import Dropouts, EncoderLayerSpec, autocast_reason, encoder_values, spec_tensors, why_not_graphed
 from .qkv import FusedQKV, unfuse
 
 __all__ = ["ADAPTER", "FAMILIES"]
@@ -316,7 +317,8 @@ class HFEncoderBody(_hf.HFBody):
             specs, training = self._layer_specs(), self.module.training
             checkpoints = self._checkpoints(len(specs))
             if checkpoints is None:
-                return encoder_values(specs, None, x, layout, config, causal, hidden, training)
+                y = self._graphed(specs, x, layout, config, causal) if hidden is None else None
+                return y if y is not None else encoder_values(specs, None, x, layout, config, causal, hidden, training)
             for spec, checkpoint in zip(specs, checkpoints):  # (post-norm layers: nothing crosses a layer but x)
                 layer = functools.partial(_layer_values, spec, layout=layout, config=config, causal=causal,
                                           training=training)  # fmt: skip
@@ -325,6 +327,20 @@ class HFEncoderBody(_hf.HFBody):
                     hidden.append(x)
             return x
         return self._module_values(x, layout, config, hidden)
+
+    def _graphed(self, specs, x, layout, config, causal: bool) -> torch.Tensor | None:
+        """The layers' output through a training graph (graphs/train.py), or None where none serves this call."""
+        training = self.module.training
+        if not _train_graphs.ENABLED or causal or why_not_graphed(specs, x, layout, training) is not None:
+            return None
+        if self.train_graphs is None:
+            holder = _train_graphs.StackModule(functools.partial(_stack_run, self), list(self._list))
+            held = {id(p) for p in holder.parameters()}
+            if not all(id(t) in held for spec in specs for t in spec_tensors(spec)):
+                return None  # (the specs read a parameter outside the layers: a capture would not swap it)
+            self.train_graphs = _train_graphs.TrainGraphs(holder)
+        mode = (training, *(spec.dropout for spec in specs))
+        return self.train_graphs.run(x, layout.lengths, config, self.head_dim, mode=mode)
 
     def _checkpoints(self, layers: int) -> list | None:
         """Each layer's checkpoint function where HF's gradient checkpointing applies to this call (None for a layer
@@ -354,6 +370,13 @@ class HFEncoderBody(_hf.HFBody):
             fields["hidden_states"] = (*hidden[:-1], y)
         out = family.output(**fields)
         return out if call.return_dict else out.to_tuple()
+
+
+def _stack_run(body: HFEncoderBody, x, layout, config, tables):
+    """The fused layers as a training graph runs them (graphs/train.py `StackModule`): specs read afresh, from the
+    parameters the capture swaps in (the training flag and the dropouts they apply: the graphs' mode)."""
+    specs = body.family.layers(body.module)
+    return encoder_values(specs, None, x, layout, config, False, None, body.module.training)
 
 
 _PAD_COLUMN_NOTE = (

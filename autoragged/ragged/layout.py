@@ -193,6 +193,12 @@ class Layout:
 
     # -- properties -------------------------------------------------------------------------
     @property
+    def packed(self) -> bool:
+        """Whether the components lie back to back from row 0, each as long as its length (align 1; rows past
+        them, if any, are spare: `ragged_from_padded(rows=)`)."""
+        return self.align == 1 and self.offsets[0] == 0 and self.offsets[-1] == self.total
+
+    @property
     def batch_size(self) -> int:
         return len(self.lengths)
 
