@@ -192,3 +192,25 @@ def test_graph_stats_counts_a_models_training_graphs():
     graphs.reserved_bytes = 3 << 30
     after = autoragged.graph_stats(model)[name]
     assert (after.training, after.training_refused, after.training_bytes) == (2, 1, 3 << 30)
+
+
+def test_a_bert_body_graphs_its_layers_with_their_dropouts_as_the_mode(monkeypatch):
+    from autoragged.models import hf_encoder
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, attention_probs_dropout_prob=0.0, num_labels=2)  # fmt: skip
+    model = autoragged.wrap(transformers.BertForSequenceClassification(config).train(), db=False, policy="ragged")
+    body = model.bert._autoragged.body
+    calls = []
+    monkeypatch.setattr(hf_encoder, "why_not_graphed", lambda *a: None)  # (as on a GPU)
+    monkeypatch.setattr(train_graphs.TrainGraphs, "run", lambda self, *a, **kw: calls.append((self, kw)))
+    batch = {"input_ids": torch.randint(1, 100, (2, 5)), "labels": torch.tensor([0, 1])}
+    model(**batch).loss.backward()
+    ((graphs, kw),) = calls
+    assert graphs is body.train_graphs and graphs.failed is None
+    assert kw["mode"] == (True, *(hf_encoder.Dropouts(attn_out=0.1, ff_out=0.1),) * 2)  # train mode, BERT's dropouts
+    assert {id(p) for p in graphs.holder.parameters()} == {id(p) for p in model.bert.encoder.layer.parameters()}
+    body.train_graphs = None
+    body._list = body._list[:1]  # a layer outside the list the graphs swap parameters in: never captured
+    model(**batch).loss.backward()
+    assert body.train_graphs.failed is not None and len(calls) == 2

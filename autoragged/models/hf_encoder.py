@@ -18,7 +18,9 @@ Two ways to run the layers:
 - fused (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ALBERT, DistilBERT): each layer as a spec of the
   fused ragged encoder (models/encoder.py) over the layer's own parameters, the same kernels as the
   PyTorch encoder: cuBLAS or Triton linears, our varlen attention, fused add+LayerNorm; the eager arm and
-  the ragged graph, fed a mask or host lengths (its Triton linears stop at the rows the device counts);
+  the ragged graph, fed a mask or host lengths (its Triton linears stop at the rows the device counts); in
+  training, the layers' forward and backward replayed as two CUDA graphs where their row rung recurs
+  (graphs/train.py; not with attention dropout, adapters, checkpointing or hidden states);
 - modules (ModernBERT: pre-norm, GeGLU, rotary, local windows): the model's own layer modules on (1, rows, D),
   with our varlen kernel as their attention through transformers' attention interface (hf.py),
   rotary positions counted within each sequence; the eager arm only (no graph: the linears are the model's),
@@ -335,10 +337,11 @@ class HFEncoderBody(_hf.HFBody):
             return None
         if self.train_graphs is None:
             holder = _train_graphs.StackModule(functools.partial(_stack_run, self), list(self._list))
+            self.train_graphs = _train_graphs.TrainGraphs(holder)
             held = {id(p) for p in holder.parameters()}
             if not all(id(t) in held for spec in specs for t in spec_tensors(spec)):
-                return None  # (the specs read a parameter outside the layers: a capture would not swap it)
-            self.train_graphs = _train_graphs.TrainGraphs(holder)
+                # the specs read a parameter outside the layers, which a capture would not swap in
+                self.train_graphs.failed = "a layer reads a parameter outside the layer list"
         mode = (training, *(spec.dropout for spec in specs))
         return self.train_graphs.run(x, layout.lengths, config, self.head_dim, mode=mode)
 
