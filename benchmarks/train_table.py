@@ -8,9 +8,9 @@ model (auto and forced ragged).
     python benchmarks/train_table.py --smoke         # a tiny BERT on the CPU: checks the script
 
 Model: transformers.BertForSequenceClassification (bert-base shape, 3 labels) from a config (random weights), fp32
-weights, bf16 autocast, sdpa attention, train mode with hidden dropout 0.1 and attention-probability dropout 0 (the
-ragged attention kernel applies none: with it the wrapped model trains padded, and says so). One step: forward, the
-model's own cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
+weights, bf16 autocast, sdpa attention, train mode with hidden dropout 0.1 and attention-probability dropout 0 (with
+it the wrapped model's training graphs are refused: its steps run eagerly). One step: forward, the model's own
+cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
 
 Per row, each column trains a copy of the same initial weights: WARM steps (the wrapped model's policy tries its
 arms), then TIMED new steps back to back with one synchronisation at the end (the first pass: every batch a new padded
