@@ -308,7 +308,7 @@ def test_decisions_reach_the_database(tmp_path):
     with torch.no_grad():
         for _ in range(3):
             enc(x, src_key_padding_mask=mask)
-    assert autoragged.flush() >= 3
+    autoragged.flush()  # (what the recorder's thread has not written already: its interval may have passed)
     with TuningDB.open(path) as db:
         rows = db.decisions()
     assert len(rows) == 3 and rows[0].signature == "encoder:2x64/2h/ff96:relu:post:float32"
