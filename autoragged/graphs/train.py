@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 from ..kernels import ragged_attention_backward as k_attn_bwd
 from ..kernels._config import aligned
 from ..planning.buckets import cublas_rows
+from ..ragged.layout import Layout
 from .cache import obtainable_bytes
 from .worker import worker
 
@@ -56,6 +57,7 @@ __all__ = [
     "TrainGraphKey",
     "TrainGraphs",
     "graph_key",
+    "why_not_call",
     "pool_fit",
     "static_meta",
     "RECUR",
@@ -77,6 +79,16 @@ class TrainGraphKey(NamedTuple):
 
     rows: int
     components: int
+
+
+def why_not_call(x: torch.Tensor, layout) -> str | None:
+    """Why no training graph can serve a call of a stack on x of `layout`, whatever the stack, or None: a graph
+    records autograd on the GPU and lays the batch out as packed components (no query-only rows)."""
+    if not x.is_cuda or not torch.is_grad_enabled():
+        return "not a CUDA training call"
+    if type(layout) is not Layout or not layout.packed:
+        return "not a packed layout"
+    return None
 
 
 def graph_key(rows: int, sequences: int) -> TrainGraphKey:

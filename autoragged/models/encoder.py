@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..graphs.train import why_not_call
 from ..kernels._config import KernelConfig
 from ..ops import CAUSAL, FULL, add_layer_norm_values, attention_values, linear_values
 from ..ragged.layout import Layout
@@ -139,10 +140,9 @@ def spec_tensors(spec: EncoderLayerSpec) -> list[torch.Tensor]:
 def why_not_graphed(specs: list[EncoderLayerSpec], x: torch.Tensor, layout, training: bool) -> str | None:
     """Why a training graph (graphs/train.py) cannot replay this call of the layers exactly, or None: a replay
     draws the attention kernel's dropout seed of its capture and runs no adapter's own code."""
-    if not x.is_cuda or not torch.is_grad_enabled():
-        return "not a CUDA training call"
-    if type(layout) is not Layout or not layout.packed:  # (query-only rows: no)
-        return "not a packed layout"
+    reason = why_not_call(x, layout)
+    if reason is not None:
+        return reason
     for spec in specs:
         if training and spec.dropout.probs:
             return "attention dropout"

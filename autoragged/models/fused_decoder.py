@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..graphs.train import why_not_call
 from ._modules import adapted_linear, layer_checkpoint
 
 __all__ = ["why_not", "why_not_graphed", "run", "DecoderStack"]
@@ -149,12 +150,11 @@ class DecoderStack(NamedTuple):
 def why_not_graphed(stack: DecoderStack, x: torch.Tensor, layout) -> str | None:
     """Why a training graph (graphs/train.py) cannot replay this call of the stack exactly, or None: a replay draws
     no new dropout mask, runs no adapter's own code, checkpoints nothing and casts nothing."""
-    if not x.is_cuda or not torch.is_grad_enabled():
-        return "not a CUDA training call"
+    reason = why_not_call(x, layout)
+    if reason is not None:
+        return reason
     if torch.is_autocast_enabled(x.device.type):
         return "autocast"
-    if not getattr(layout, "packed", False):
-        return "not a packed layout"
     for layer in stack.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if layer_checkpoint(layer) is not None:

@@ -199,7 +199,6 @@ class HFDecoderBody(_hf.HFBody):
         # why the decoder layers run as the model's own modules rather than our fused kernels (None: fused)
         self.unfused = self._unfused_reason(module)
         self.trains = True  # fused kernels' backward, or the model's own modules with our attention's
-        self.train_graphs = None  # graphs/train.py's, made at the first packed training call that could replay one
         ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * self.d_model
         act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "unknown"
         first = self._list[0] if len(self._list) else None
@@ -266,7 +265,7 @@ class HFDecoderBody(_hf.HFBody):
             stack = _fused_decoder.DecoderStack(
                 self._list[: self.config.num_hidden_layers], family.norm(base), family.window_of
             )
-            if _train_graphs.ENABLED and sink is None and hidden is None:
+            if sink is None and hidden is None:
                 y = self._graphed(stack, x, layout, config, kwargs["position_embeddings"])
                 if y is not None:
                     return y
@@ -278,7 +277,7 @@ class HFDecoderBody(_hf.HFBody):
 
     def _graphed(self, stack, x, layout, config, position_embeddings) -> torch.Tensor | None:
         """The stack's output through a training graph (graphs/train.py), or None where none serves this call."""
-        if _fused_decoder.why_not_graphed(stack, x, layout) is not None:
+        if not _train_graphs.ENABLED or _fused_decoder.why_not_graphed(stack, x, layout) is not None:
             return None
         if self.train_graphs is None:
             parts = [*stack.layers, stack.final_norm]
