@@ -79,10 +79,11 @@ _FAR = 1 << 30  # an unbounded window side inside the kernel: farther than any c
 
 
 class Dropout(NamedTuple):
-    """Attention dropout of one launch: drop probability p in [0, 1), the Philox seed of its masks."""
+    """Attention dropout of one launch: drop probability p in [0, 1), and the Philox seed of its masks, a (1,) int64
+    tensor on the device that the kernels read (a CUDA graph's replay draws it anew, its backward reads it there)."""
 
     p: float
-    seed: int
+    seed: torch.Tensor
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def _attn_tile(
 def _ragged_attn_fwd_kernel(
     Q, K, V, Out, offsets, lengths, grid_mapping, block_offsets, key_lengths, Lse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    qk_scale, left, right, drop_seed, drop_p,
+    qk_scale, left, right, DropSeed, drop_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr, KEYS: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -180,7 +181,10 @@ def _ragged_attn_fwd_kernel(
             other=0.0,
         )
         kv_head = head // GQA_GROUP  # GQA_GROUP 1 (no grouping) folds away
-        seed = drop_seed + comp * tl.num_programs(1) + head  # (DROPOUT off: unused)
+        if DROPOUT:
+            seed = tl.load(DropSeed) + comp * tl.num_programs(1) + head
+        else:
+            seed = 0  # (unused)
         k_base = K + start * stride_kt + kv_head * stride_kh
         v_base = V + start * stride_vt + kv_head * stride_vh
 
@@ -427,7 +431,7 @@ def ragged_attention(
         q, k, v, out, offsets, lengths, grid_mapping, block_offsets, lengths if key_lengths is None else key_lengths,
         out if lse is None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale * _LOG2E, left, right, dropout.seed if dropout else 0, dropout.p if dropout else 0.0,
+        scale * _LOG2E, left, right, lengths if dropout is None else dropout.seed, dropout.p if dropout else 0.0,
     )  # fmt: skip
     flags = dict(HEAD_DIM=Dh, BLOCK_D=next_pow2(Dh), CAUSAL=bool(causal), PRECISION=precision,
                  UPCAST=dot_upcast(str(q.dtype)[6:]), GQA_GROUP=H // k.shape[1], WINDOW=kernel_window is not None,

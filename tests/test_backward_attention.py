@@ -154,11 +154,11 @@ def test_attention_values_without_grad_takes_the_inference_kernel():
 
 
 @triton.jit
-def _keep_kernel(Out, seed, p, heads, comp, BLOCK: tl.constexpr):
+def _keep_kernel(Out, Seed, p, heads, comp, BLOCK: tl.constexpr):
     """The keep mask the kernels draw for one component, (heads, BLOCK, BLOCK) int8."""
     head = tl.program_id(0)
     rows = tl.arange(0, BLOCK)
-    keep = k_attn.keep_mask(seed + comp * heads + head, p, rows, rows)
+    keep = k_attn.keep_mask(tl.load(Seed) + comp * heads + head, p, rows, rows)
     tl.store(Out + head * BLOCK * BLOCK + rows[:, None] * BLOCK + rows[None, :], keep.to(tl.int8))
 
 
@@ -182,7 +182,7 @@ def test_attention_dropout_forward_and_backward_match_fp64_with_the_same_mask(ca
     q = torch.randn(T, H, D, dtype=torch.float64)
     k, v = (torch.randn(T, Hkv, D, dtype=torch.float64) for _ in range(2))
     upstream = torch.randn(T, H, D, dtype=torch.float64)
-    dropout = k_attn.Dropout(0.3, 1234)
+    dropout = k_attn.Dropout(0.3, torch.tensor([1234]))
     problem = _problem(layout, causal=causal)._replace(dropout=dropout)
     keep = _keep_masks(layout, H, dropout)
     visible = sum(m.sum().item() for m in keep) / sum(m.numel() for m in keep)
