@@ -97,7 +97,7 @@ def attention_values(
     if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
         config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
-    drop = k_attn.Dropout(float(dropout), torch.randint(0, 2**31 - 1, (1,), device=q.device)) if dropout else None
+    drop = k_attn.Dropout.draw(float(dropout), q.device) if dropout else None
     if _recording(q, k, v):  # training: the forward stores what the backward kernels need
         problem = k_attn_bwd.AttentionProblem(
             offsets, lengths, functools.partial(layout.prelude, device=q.device), key_lengths, bool(causal), scale,

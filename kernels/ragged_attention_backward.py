@@ -107,7 +107,7 @@ def _attn_bwd_dq_kernel(
             p = _scores(q, k, lse, qk_scale, rows, cols, length, keys, left, right, PRECISION, UPCAST)
             dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
             if DROPOUT:  # the gradient reaches a probability only where it was kept, scaled as it was
-                dp = tl.where(fwd.keep_mask(seed, drop_p, rows, cols), dp / (1.0 - drop_p), 0.0)
+                dp = tl.where(fwd.keep_mask(seed, drop_p, rows, n0, BLOCK), dp / (1.0 - drop_p), 0.0)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
         tl.store(
@@ -174,7 +174,7 @@ def _attn_bwd_dkdv_kernel(
                     p = _scores(q, k, lse, qk_scale, rows, cols, length, keys, left, right, PRECISION, UPCAST)
                     dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
                     if DROPOUT:
-                        keep = fwd.keep_mask(seed, drop_p, rows, cols)
+                        keep = fwd.keep_mask(seed, drop_p, rows, c0, BLOCK)
                         dv += _dot(
                             tl.trans(tl.where(keep, p / (1.0 - drop_p), 0.0)).to(do.dtype), do, PRECISION, UPCAST
                         )
