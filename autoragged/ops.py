@@ -80,13 +80,13 @@ def attention_values(
     layout with
     `key_lengths` (a first-token pooler's column 0 as a query row: `Layout.with_query_rows`, or a CUDA graph fed
     a mask) has query-only rows past them. `dropout`: drop probability of the attention probabilities (training;
-    the mask's seed comes from PyTorch's CPU generator, so `torch.manual_seed` repeats it)."""
+    the mask's seed is drawn on the device, so `torch.manual_seed` repeats it and a CUDA graph's replays draw it
+    anew)."""
     k_attn.check_inputs(q, k, v)
     left, right = k_attn.check_window(window)
     causal = right == 0  # the kernels' causal variants (the plain causal one where nothing bounds the left)
     right = k_attn.UNBOUNDED if causal else right
     key_lengths = getattr(layout, "key_lengths", None)
-    drop = k_attn.Dropout(float(dropout), int(torch.randint(0, 2**31 - 1, ()))) if dropout else None
     if not use_triton(q):
         keys = None if key_lengths is None else key_lengths.tolist()
         return k_attn.ragged_attention_ref(
@@ -97,6 +97,7 @@ def attention_values(
     if layout.align > config.block_m:  # the kernel zeroes gap rows only within the last query block
         config = config.replace(block_m=layout.align, block_n=min(config.block_n, layout.align))
     offsets, lengths = layout.device_meta(q.device)
+    drop = k_attn.Dropout.draw(float(dropout), q.device) if dropout else None
     if _recording(q, k, v):  # training: the forward stores what the backward kernels need
         problem = k_attn_bwd.AttentionProblem(
             offsets, lengths, functools.partial(layout.prelude, device=q.device), key_lengths, bool(causal), scale,

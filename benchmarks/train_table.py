@@ -8,9 +8,8 @@ model (auto and forced ragged).
     python benchmarks/train_table.py --smoke         # a tiny BERT on the CPU: checks the script
 
 Model: transformers.BertForSequenceClassification (bert-base shape, 3 labels) from a config (random weights), fp32
-weights, bf16 autocast, sdpa attention, train mode with hidden dropout 0.1 and attention-probability dropout 0 (with
-it the wrapped model's training graphs are refused: its steps run eagerly). One step: forward, the model's own
-cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
+weights, bf16 autocast, sdpa attention, train mode with BERT's dropouts (hidden 0.1, attention probabilities 0.1).
+One step: forward, the model's own cross-entropy loss, backward, fused AdamW (lr 1e-5), zero_grad.
 
 Per row, each column trains a copy of the same initial weights: WARM steps (the wrapped model's policy tries its
 arms), then TIMED new steps back to back with one synchronisation at the end (the first pass: every batch a new padded
@@ -88,7 +87,7 @@ def build(device, smoke: bool):
 
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=100, **TINY) if smoke else hf_config("bert-base")
-    config.num_labels, config.attention_probs_dropout_prob, config.hidden_dropout_prob = 3, 0.0, 0.1
+    config.num_labels, config.attention_probs_dropout_prob, config.hidden_dropout_prob = 3, 0.1, 0.1  # BERT's
     config._attn_implementation = "sdpa"
     return transformers.BertForSequenceClassification(config).to(device).train()
 

@@ -59,7 +59,7 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, offsets, lengths, key_lengths, grid_mapping, block_offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gqt, stride_gkt,
-    qk_scale, sm_scale, left, right, drop_seed, drop_p, Out, stride_ot, stride_oh,
+    qk_scale, sm_scale, left, right, DropSeed, drop_p, Out, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GQA_GROUP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
@@ -70,7 +70,10 @@ def _attn_bwd_dq_kernel(
     heads = tl.num_programs(1)
     comp = tl.load(grid_mapping + pid)
     if comp >= 0:
-        seed = drop_seed + comp * heads + head  # the forward's stream for this (component, head)
+        if DROPOUT:  # the forward's stream for this (component, head)
+            seed = tl.load(DropSeed) + comp * heads + head
+        else:
+            seed = 0  # (unused)
         start = tl.load(offsets + comp).to(tl.int64)
         length = tl.load(lengths + comp)
         keys = tl.load(key_lengths + comp)
@@ -104,7 +107,7 @@ def _attn_bwd_dq_kernel(
             p = _scores(q, k, lse, qk_scale, rows, cols, length, keys, left, right, PRECISION, UPCAST)
             dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
             if DROPOUT:  # the gradient reaches a probability only where it was kept, scaled as it was
-                dp = tl.where(fwd.keep_mask(seed, drop_p, rows, cols), dp / (1.0 - drop_p), 0.0)
+                dp = tl.where(fwd.keep_mask(seed, drop_p, rows, n0, BLOCK), dp / (1.0 - drop_p), 0.0)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
         tl.store(
@@ -118,7 +121,7 @@ def _attn_bwd_dq_kernel(
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, offsets, lengths, key_lengths, grid_mapping, block_offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_gqt, stride_gkt,
-    qk_scale, sm_scale, left, right, drop_seed, drop_p, heads,
+    qk_scale, sm_scale, left, right, DropSeed, drop_p, heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GQA_GROUP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
@@ -151,7 +154,10 @@ def _attn_bwd_dkdv_kernel(
             dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
             for g in range(GQA_GROUP):
                 head = kv_head * GQA_GROUP + g
-                seed = drop_seed + comp * heads + head
+                if DROPOUT:
+                    seed = tl.load(DropSeed) + comp * heads + head
+                else:
+                    seed = 0  # (unused)
                 for m0 in range(m_lo, m_end, BLOCK):
                     rows = m0 + offs_m
                     row_mask = rows < length
@@ -168,7 +174,7 @@ def _attn_bwd_dkdv_kernel(
                     p = _scores(q, k, lse, qk_scale, rows, cols, length, keys, left, right, PRECISION, UPCAST)
                     dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
                     if DROPOUT:
-                        keep = fwd.keep_mask(seed, drop_p, rows, cols)
+                        keep = fwd.keep_mask(seed, drop_p, rows, c0, BLOCK)
                         dv += _dot(
                             tl.trans(tl.where(keep, p / (1.0 - drop_p), 0.0)).to(do.dtype), do, PRECISION, UPCAST
                         )
@@ -259,12 +265,13 @@ def ragged_attention_backward(
     scale = 1.0 / math.sqrt(Dh) if problem.scale is None else float(problem.scale)
     left, right = _bounds(problem)
     keys = problem.lengths if problem.key_lengths is None else problem.key_lengths
-    drop = problem.dropout or fwd.Dropout(0.0, 0)
+    drop = problem.dropout
     precision = "ieee" if q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
     args = (
         problem.offsets, problem.lengths, keys, grid_mapping, block_offsets,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
-        H * Dh, Hkv * Dh, scale * _LOG2E, scale, left, right, drop.seed, drop.p,
+        H * Dh, Hkv * Dh, scale * _LOG2E, scale, left, right, keys if drop is None else drop.seed,
+        drop.p if drop else 0.0,
     )  # fmt: skip
     flags = dict(HEAD_DIM=Dh, BLOCK_D=next_pow2(Dh), BLOCK=config.block_m, GQA_GROUP=H // Hkv,
                  PRECISION=precision, UPCAST=dot_upcast(str(q.dtype)[6:]), DROPOUT=problem.dropout is not None,

@@ -154,11 +154,11 @@ def test_attention_values_without_grad_takes_the_inference_kernel():
 
 
 @triton.jit
-def _keep_kernel(Out, seed, p, heads, comp, BLOCK: tl.constexpr):
+def _keep_kernel(Out, Seed, p, heads, comp, BLOCK: tl.constexpr):
     """The keep mask the kernels draw for one component, (heads, BLOCK, BLOCK) int8."""
     head = tl.program_id(0)
     rows = tl.arange(0, BLOCK)
-    keep = k_attn.keep_mask(seed + comp * heads + head, p, rows, rows)
+    keep = k_attn.keep_mask(tl.load(Seed) + comp * heads + head, p, rows, 0, BLOCK)
     tl.store(Out + head * BLOCK * BLOCK + rows[:, None] * BLOCK + rows[None, :], keep.to(tl.int8))
 
 
@@ -172,6 +172,32 @@ def _keep_masks(layout: Layout, heads: int, dropout: k_attn.Dropout) -> list[tor
     return masks
 
 
+def test_keep_mask_drops_p_in_every_lane_of_a_draw_independently():
+    """One Philox draw serves 8 neighbouring keys (16 bits each): each of the 8 lanes drops about p, lanes of one
+    draw are uncorrelated, and another head's stream draws another mask."""
+    dropout = k_attn.Dropout.draw(0.1, "cpu")
+    assert dropout.p == 6553 / 65536
+    (mask,) = _keep_masks(Layout.make((256,)), 2, dropout)
+    drop = (~mask).float()
+    lanes = drop.reshape(2, 256, 32, 8).mean(dim=(0, 1, 2))  # 16,384 draws a lane
+    assert (lanes - dropout.p).abs().max() < 0.015, lanes
+    pairs = drop.reshape(-1, 8)
+    centred = pairs - pairs.mean(0)
+    corr = (centred.T @ centred) / (centred.norm(dim=0)[:, None] * centred.norm(dim=0)[None, :])
+    assert (corr - torch.eye(8)).abs().max() < 0.05
+    assert (mask[0] != mask[1]).float().mean() > 0.1
+
+
+def test_dropout_p_off_the_kernels_steps_is_refused():
+    layout = Layout.make((5, 17))
+    q = torch.randn(layout.rows, 2, 32)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="multiple of 2"):
+        k_attn.ragged_attention(
+            q, q, q, *layout.device_meta(cpu), *layout.prelude(32, cpu), dropout=k_attn.Dropout(0.1, torch.zeros(1))
+        )
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_dropout_forward_and_backward_match_fp64_with_the_same_mask(causal):
     """Dropout on the probabilities: the forward and both backward kernels draw one mask (a Philox stream per
@@ -182,7 +208,7 @@ def test_attention_dropout_forward_and_backward_match_fp64_with_the_same_mask(ca
     q = torch.randn(T, H, D, dtype=torch.float64)
     k, v = (torch.randn(T, Hkv, D, dtype=torch.float64) for _ in range(2))
     upstream = torch.randn(T, H, D, dtype=torch.float64)
-    dropout = k_attn.Dropout(0.3, 1234)
+    dropout = k_attn.Dropout(19660 / 65536, torch.tensor([1234]))  # 0.3 in the kernels' 2^-16 steps
     problem = _problem(layout, causal=causal)._replace(dropout=dropout)
     keep = _keep_masks(layout, H, dropout)
     visible = sum(m.sum().item() for m in keep) / sum(m.numel() for m in keep)

@@ -71,7 +71,7 @@ def test_only_calls_a_replay_repeats_exactly_are_graphed():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "autocast"
     dropped, _ = _stack(attention_dropout=0.1)
-    assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) == "attention dropout"
+    assert fused_decoder.why_not_graphed(dropped, fake_cuda, layout) is None  # (its seed is drawn on the device)
     model.gradient_checkpointing_enable()
     assert fused_decoder.why_not_graphed(stack, fake_cuda, layout) == "gradient checkpointing"
 
@@ -85,24 +85,23 @@ def test_only_encoder_calls_a_replay_repeats_exactly_are_graphed():
     specs = hf_encoder.FAMILIES["bert"].layers(model)
     fake_cuda = type("T", (), {"is_cuda": True, "device": torch.device("cpu")})()
     layout = Layout.make((3, 1))
-    assert encoder.why_not_graphed(specs, torch.zeros(4, 32), layout, True) == "not a CUDA training call"
-    assert encoder.why_not_graphed(specs, fake_cuda, layout, True) is None  # hidden dropout: drawn anew per replay
+    assert encoder.why_not_graphed(specs, torch.zeros(4, 32), layout) == "not a CUDA training call"
+    assert encoder.why_not_graphed(specs, fake_cuda, layout) is None  # hidden dropout: drawn anew per replay
     spare = Layout((3, 1), 1, (0, 3, 4), 8, canonical=False)  # the eager arm's cuBLAS rung: 4 spare rows
-    assert spare.packed and encoder.why_not_graphed(specs, fake_cuda, spare, True) is None
+    assert spare.packed and encoder.why_not_graphed(specs, fake_cuda, spare) is None
     gap = Layout.from_offsets((0, 4, 5), (3, 1), 5)  # a row between the components
-    assert not gap.packed and encoder.why_not_graphed(specs, fake_cuda, gap, True) == "not a packed layout"
-    assert encoder.why_not_graphed(specs, fake_cuda, Layout.make((3, 1), align=16), True) == ("not a packed layout")
-    assert encoder.why_not_graphed(specs, fake_cuda, Layout.with_query_rows((3, 1), torch.device("cpu")), True) == (
+    assert not gap.packed and encoder.why_not_graphed(specs, fake_cuda, gap) == "not a packed layout"
+    assert encoder.why_not_graphed(specs, fake_cuda, Layout.make((3, 1), align=16)) == ("not a packed layout")
+    assert encoder.why_not_graphed(specs, fake_cuda, Layout.with_query_rows((3, 1), torch.device("cpu"))) == (
         "not a packed layout"
     )
     with torch.no_grad():
-        assert encoder.why_not_graphed(specs, fake_cuda, layout, True) == "not a CUDA training call"
+        assert encoder.why_not_graphed(specs, fake_cuda, layout) == "not a CUDA training call"
     dropped = hf_encoder.FAMILIES["bert"].layers(transformers.BertModel(transformers.BertConfig(**{
         **config.to_dict(), "attention_probs_dropout_prob": 0.1})))  # fmt: skip
-    assert encoder.why_not_graphed(dropped, fake_cuda, layout, True) == "attention dropout"
-    assert encoder.why_not_graphed(dropped, fake_cuda, layout, False) is None  # (eval: no dropout drawn)
+    assert encoder.why_not_graphed(dropped, fake_cuda, layout) is None  # (its seed is drawn on the device)
     adapted = [dataclasses.replace(specs[0], out=nn.Linear(32, 32))]  # (a peft linear: a module)
-    assert encoder.why_not_graphed(adapted, fake_cuda, layout, True) == "an adapter layer"
+    assert encoder.why_not_graphed(adapted, fake_cuda, layout) == "an adapter layer"
     assert {id(t) for s in specs for t in encoder.spec_tensors(s)} <= {id(p) for p in model.encoder.parameters()}
 
 

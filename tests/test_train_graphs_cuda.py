@@ -4,7 +4,8 @@ and every loss and gradient is the eager ragged arm's to the bit: the same kerne
 backwards accumulated before a step, a backward whose forward a later replay of its own key or another overwrote
 (its forward replayed again), two backwards of one forward, keys refused for memory (eager), and the keys' graphs
 sharing one pool and one gradient buffer. A bert-base-shaped classifier (fp32 weights, bf16 autocast) the same way,
-and with hidden dropout: a replay draws new masks, and a forward replayed again for its backward the same ones."""
+and with hidden and attention dropout: a replay draws new masks, and a forward replayed again for its backward the
+same ones."""
 
 import copy
 
@@ -160,11 +161,11 @@ def test_two_backwards_of_one_forward_are_right():
 BERT_DOCS = [tuple(min(n, 400) for n in d) for d in DOCS]  # (512 positions)
 
 
-def _bert(dropout: float):
+def _bert(dropout: float, attention: float = 0.0):
     torch.manual_seed(0)
     config = hf_config("bert-base")
     config.num_hidden_layers, config.num_labels = 4, 3
-    config.hidden_dropout_prob, config.attention_probs_dropout_prob = dropout, 0.0
+    config.hidden_dropout_prob, config.attention_probs_dropout_prob = dropout, attention
     config._attn_implementation = "sdpa"
     return transformers.BertForSequenceClassification(config).cuda().train()
 
@@ -186,8 +187,9 @@ def test_bert_replayed_steps_under_autocast_are_the_eager_steps():
     assert graphs.mode[0] == torch.bfloat16 and graphs.flat.dtype == torch.float32  # autocast over fp32 weights
 
 
-def test_bert_hidden_dropout_draws_new_masks_and_a_forward_replayed_again_the_same():
-    model = autoragged.wrap(_bert(0.1), db=False, policy="ragged")
+@pytest.mark.parametrize("attention", [0.0, 0.1], ids=["hidden", "hidden and attention"])
+def test_bert_dropout_draws_new_masks_and_a_forward_replayed_again_the_same(attention):
+    model = autoragged.wrap(_bert(0.1, attention), db=False, policy="ragged")
     batch, other = _classified(BERT_DOCS[0], 0), _classified(BERT_DOCS[0], 1)  # one key
     for _ in range(2):  # seen, then captured
         model(**batch).loss.backward()

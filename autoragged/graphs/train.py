@@ -25,10 +25,10 @@ even so runs eagerly.
 
 A backward whose forward's activations are gone (a later replay of any key, or an earlier backward, reused their
 memory) replays its forward again first, from its saved input and the random state its replay started from: the
-hidden dropouts (PyTorch's, whose replays draw new masks) draw the same masks again. The graphs serve only what they
-replay exactly: no attention dropout (our kernel's seed is a host number), no adapters, no gradient checkpointing,
-no KV cache or hidden states (`fused_decoder.why_not_graphed`, `encoder.why_not_graphed`); autocast is captured as
-the call has it (its casts read the current weights), and what the capture bakes in besides the parameters (autocast,
+dropouts (PyTorch's, and the attention kernel's, whose seed is drawn on the device: a replay draws new masks) draw
+the same masks again. The graphs serve only what they replay exactly: no adapters, no gradient checkpointing, no KV
+cache or hidden states (`fused_decoder.why_not_graphed`, `encoder.why_not_graphed`); autocast is captured as the
+call has it (its casts read the current weights), and what the capture bakes in besides the parameters (autocast,
 dropout probabilities) is the graphs' `mode`: another mode starts them anew. Gradients come out of the shared buffer,
 cloned per backward, so that accumulating over several backwards is right.
 """

@@ -137,17 +137,14 @@ def spec_tensors(spec: EncoderLayerSpec) -> list[torch.Tensor]:
     return [t for t in held if t is not None]
 
 
-def why_not_graphed(specs: list[EncoderLayerSpec], x: torch.Tensor, layout, training: bool) -> str | None:
-    """Why a training graph (graphs/train.py) cannot replay this call of the layers exactly, or None: a replay
-    draws the attention kernel's dropout seed of its capture and runs no adapter's own code."""
+def why_not_graphed(specs: list[EncoderLayerSpec], x: torch.Tensor, layout) -> str | None:
+    """Why a training graph (graphs/train.py) cannot replay this call of the layers exactly, or None: a replay runs
+    no adapter's own code (its dropouts, the attention kernel's included, draw their seeds on the device)."""
     reason = why_not_call(x, layout)
     if reason is not None:
         return reason
-    for spec in specs:
-        if training and spec.dropout.probs:
-            return "attention dropout"
-        if not spec_tensors(spec):
-            return "an adapter layer"
+    if not all(spec_tensors(spec) for spec in specs):
+        return "an adapter layer"
     return None
 
 

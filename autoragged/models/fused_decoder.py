@@ -149,7 +149,8 @@ class DecoderStack(NamedTuple):
 
 def why_not_graphed(stack: DecoderStack, x: torch.Tensor, layout) -> str | None:
     """Why a training graph (graphs/train.py) cannot replay this call of the stack exactly, or None: a replay draws
-    no new dropout mask, runs no adapter's own code, checkpoints nothing and casts nothing."""
+    no adapter's own code, checkpoints nothing and casts nothing (attention dropout draws its seed on the device:
+    a replay draws new masks)."""
     reason = why_not_call(x, layout)
     if reason is not None:
         return reason
@@ -159,8 +160,6 @@ def why_not_graphed(stack: DecoderStack, x: torch.Tensor, layout) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if layer_checkpoint(layer) is not None:
             return "gradient checkpointing"
-        if attn.training and getattr(attn, "attention_dropout", 0.0):
-            return "attention dropout"
         if any(type(getattr(m, n)) is not nn.Linear for m, names in ((attn, _ATTENTION), (mlp, _MLP)) for n in names):
             return "an adapter layer"
     return None

@@ -285,7 +285,9 @@ class HFDecoderBody(_hf.HFBody):
             self.train_graphs = _train_graphs.TrainGraphs(holder)
         tables = tuple(t[0] for t in position_embeddings)  # (cos, sin)
         head_dim = stack.layers[0].self_attn.head_dim
-        return self.train_graphs.run(x, layout.lengths, config, head_dim, tables)
+        attns = [layer.self_attn for layer in stack.layers]
+        mode = tuple(getattr(a, "attention_dropout", 0.0) if a.training else 0.0 for a in attns)  # (captured in)
+        return self.train_graphs.run(x, layout.lengths, config, head_dim, tables, mode)
 
     def _rope(self, h: torch.Tensor, layout, rows: int, call) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (1, rows, rotary dim): the model's rotary_emb on the position table the original uses,

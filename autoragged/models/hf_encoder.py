@@ -20,7 +20,7 @@ Two ways to run the layers:
   PyTorch encoder: cuBLAS or Triton linears, our varlen attention, fused add+LayerNorm; the eager arm and
   the ragged graph, fed a mask or host lengths (its Triton linears stop at the rows the device counts); in
   training, the layers' forward and backward replayed as two CUDA graphs where their row rung recurs
-  (graphs/train.py; not with attention dropout, adapters, checkpointing or hidden states);
+  (graphs/train.py; not with adapters, checkpointing or hidden states);
 - modules (ModernBERT: pre-norm, GeGLU, rotary, local windows): the model's own layer modules on (1, rows, D),
   with our varlen kernel as their attention through transformers' attention interface (hf.py),
   rotary positions counted within each sequence; the eager arm only (no graph: the linears are the model's),
@@ -333,7 +333,7 @@ class HFEncoderBody(_hf.HFBody):
     def _graphed(self, specs, x, layout, config, causal: bool) -> torch.Tensor | None:
         """The layers' output through a training graph (graphs/train.py), or None where none serves this call."""
         training = self.module.training
-        if not _train_graphs.ENABLED or causal or why_not_graphed(specs, x, layout, training) is not None:
+        if not _train_graphs.ENABLED or causal or why_not_graphed(specs, x, layout) is not None:
             return None
         if self.train_graphs is None:
             holder = _train_graphs.StackModule(functools.partial(_stack_run, self), list(self._list))
