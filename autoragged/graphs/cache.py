@@ -7,8 +7,11 @@ queued, records the graphs whose warm-up is done, on the caller's thread (a capt
 every thread). `capture_now` does both on the caller's thread (the tuner, forced benchmark arms).
 
 A batch replays the kept graph of its key, or one of the same batch size, inputs and causality up to four times
-as wide (the layers stop at the counted rows: the spare columns cost the pack's and the embedding step's few
-microseconds, not the layers' work), the narrowest first: each width a stream meets unserved is a capture.
+as wide, the narrowest first: each width a stream meets unserved is a capture. The layers stop at the counted rows,
+so spare width costs only the programs that find no row: MNLI B=128 on the MiniLM shape took 1.97 ms a batch on a
+graph 4x its width, 1.78 on one 2x (H100). Serving only up to 2x cost as much in captures on the first pass of the
+24 CoRa rows as it saved (`hf_table`'s protocol: first pass 2.13-2.17 against 2.10-2.11 ms geomean, second 1.93-1.95
+against 1.95-1.96).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed

@@ -43,8 +43,8 @@ def padded_bucket(batch: int, seq_len: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def mask_width(seq_len: int) -> int:
     """The width of the ragged graph of a batch padded to `seq_len` (2 rungs per octave, floor 16). The layers stop
-    at the rows the batch fills, so a wider graph costs memory and the pack's and embedding step's spare columns,
-    not the layers' work; a graph serves batches up to four times narrower (graphs/cache.py)."""
+    at the rows the batch fills, so a wider graph costs memory and its programs that find no row, not the layers'
+    work; a graph serves batches up to four times narrower (graphs/cache.py)."""
     return ladder(seq_len, floor=16, multiple=16, steps=2)
 
 
