@@ -208,7 +208,7 @@ class Runtime:
         lens, not_prefix = self._known_lengths(call)
         key = ShapeKey(call.B, mask_width(call.L), lens is None, grad, torch.is_autocast_enabled(device.type))
         shape = self.shapes.get(key) or self.shapes.setdefault(key, ShapeState())
-        if lens is None and (reason or self.policy != "auto" or call.causal or shape.stats is None):
+        if lens is None and (self.policy == "ragged" or call.causal or shape.stats is None):
             lens, not_prefix = self._read(call)
         stats, reason = self._stats(call, shape, lens, not_prefix, reason)
         decision = self._decide(module, call, shape, key, stats, reason)
