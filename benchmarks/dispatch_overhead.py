@@ -13,7 +13,8 @@ work). Columns, median host us:
             the dispatcher's cost: reading the call, the batch's statistics, the decision and its record
   auto      autoragged.wrap(model, db=<another>): whichever arm the policy picks, as a user gets it (the arms it
             ran are listed)
-Inputs: "lengths=" (host ints) and "mask" (the lengths read from the mask: a device-to-host copy).
+Inputs: "lengths=" (host ints) and "mask" (a mask alone on the device: read, a device-to-host copy, at a shape's
+first sight and wherever the arm that runs needs the lengths; the padded arm's batches are counted on the device).
 Appends a line to benchmarks/results/dispatch_overhead.jsonl.
 """
 
