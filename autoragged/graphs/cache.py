@@ -10,8 +10,8 @@ A batch replays the kept graph of its key, or one of the same batch size, inputs
 as wide, the narrowest first: each width a stream meets unserved is a capture. The layers stop at the counted rows,
 so spare width costs only the programs that find no row: MNLI B=128 on the MiniLM shape took 1.97 ms a batch on a
 graph 4x its width, 1.78 on one 2x (H100). Serving only up to 2x cost as much in captures on the first pass of the
-24 CoRa rows as it saved (`hf_table`'s protocol: first pass 2.13-2.17 against 2.10-2.11 ms geomean, second 1.93-1.95
-against 1.95-1.96).
+24 CoRa rows as it saved (the auto column alone on `hf_table`'s protocol, alternated in one lease: first pass
+2.13-2.17 against 2.10-2.11 ms geomean, second 1.93-1.95 against 1.95-1.96).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
