@@ -60,6 +60,26 @@ def test_an_untimed_arm_within_try_within_is_tried_for_min_samples_batches_then_
     assert kinds[2 * MIN_SAMPLES :] == ["padded", "padded"]  # timed faster: it runs from now on
 
 
+def test_a_trial_ends_once_its_timings_price_the_arm_beyond_try_within():
+    """An arm's first run on a shape can take hundreds of milliseconds (HF's padded forward took 553 ms on a new
+    shape where the graph took 0.9): once a timing prices it out, the trial stops."""
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    times = {"padded": 500.0, "ragged": 1.0}
+    kinds = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES + 4)]
+    assert kinds == ["ragged"] * MIN_SAMPLES + ["padded"] + ["ragged"] * 3
+    assert state.trying is None
+
+
+def test_a_timing_still_on_its_way_does_not_cut_a_trial_short():
+    """Timings land once the GPU ran the batch: a trial whose timings have not landed runs its MIN_SAMPLES batches."""
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    for _ in range(MIN_SAMPLES):
+        run(state, predicted, times={"ragged": 1.0})
+    assert [run(state, predicted).kind for _ in range(MIN_SAMPLES)] == ["padded"] * MIN_SAMPLES
+
+
 def test_an_arm_predicted_beyond_try_within_is_never_tried():
     state = ShapeState()
     predicted = {"padded": TRY_WITHIN * 1.01, "ragged": 1.0}
@@ -80,6 +100,20 @@ def test_the_runner_up_is_timed_anew_every_retry_every_batches():
     assert retry == ["ragged_graph"] * MIN_SAMPLES
     assert list(state.timed["ragged_graph"]) == [0.7] * MIN_SAMPLES  # the old timings were dropped
     assert run(state, predicted).kind == "ragged_graph"
+
+
+def test_an_arm_priced_out_by_one_slow_first_timing_is_tried_again_at_the_retry():
+    """A trial cut short by a first run's one-time cost leaves the arm priced at that timing: at RETRY_EVERY every
+    arm but the running one is priced anew, and one predicted close is tried again."""
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    times = {"padded": 500.0, "ragged": 1.0}
+    kinds = [run(state, predicted, times=times).kind for _ in range(RETRY_EVERY - 1)]
+    assert kinds.count("padded") == 1
+    times["padded"] = 0.8  # its first run's cost is paid
+    retry = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES + 2)]
+    assert retry == ["ragged", "padded", "padded", "padded", "padded"]
+    assert list(state.timed["padded"]) == [0.8] * MIN_SAMPLES  # timed faster, it runs on, sampled
 
 
 def test_timing_follows_sample_every_once_an_arm_has_its_samples():

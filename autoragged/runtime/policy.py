@@ -12,8 +12,9 @@ runtime keeps a `ShapeState`, and one rule decides:
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
    of the background worker (graphs/worker.py), and runs once it is there.
 3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
-   for MIN_SAMPLES batches (a graph among them is asked for at once, so that it is there for its trial); every
-   RETRY_EVERY batches of the shape, the runner-up within TRY_WITHIN is timed anew.
+   for up to MIN_SAMPLES batches (a graph among them is asked for at once, so that it is there for its trial): the
+   trial ends early once the arm's timings price it beyond TRY_WITHIN. Every RETRY_EVERY batches of the shape, the
+   other arms' timings are forgotten: those priced within TRY_WITHIN again are tried anew.
 4. The running arm is timed until it has MIN_SAMPLES timings, then every `sample_every`-th batch of the shape.
 
 The eager ragged arm needs the batch's lengths: on a shape whose mask came alone it reads them (a device->host
@@ -151,13 +152,15 @@ def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], samp
     want = want if want is not None and cost[want] < math.inf else None
     why = "timed on this device" if state.timed.get(run) else "predicted"
     timed = len(state.timed.get(run, ())) < MIN_SAMPLES
-    if state.trying is not None and state.trying in ready and state.trying in cost:
-        run, why, timed = state.trying, f"trying it (the running arm is {run})", True
+    trying = state.trying
+    if trying is not None and trying in ready and trying in cost and cost[trying] <= TRY_WITHIN * cost[run]:
+        run, why, timed = trying, f"trying it (the running arm is {run})", True
         state.tries_left -= 1
         if state.tries_left <= 0:
             state.trying = None
     elif not timed:
-        trial = _trial(state, [k for k in untried if k in ready], [k for k in close if k in ready])
+        state.trying = None
+        trial = _trial(state, run, [k for k in untried if k in ready], [k for k in close if k in ready])
         if trial is not None:
             run, why, timed = trial, f"trying it (the running arm is {run})", True
             state.trying, state.tries_left = trial, MIN_SAMPLES - 1
@@ -166,14 +169,16 @@ def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], samp
     return Choice(run, timed and sample_every > 0, want, why)
 
 
-def _trial(state: ShapeState, untried: list[str], close: list[str]) -> str | None:
+def _trial(state: ShapeState, run: str, untried: list[str], close: list[str]) -> str | None:
     """The arm to try now (the cheapest first), or None (rule 3)."""
     if untried:
         return untried[0]
     if state.batches >= state.retry_at:
         state.retry_at = state.batches + RETRY_EVERY
+        for kind, timings in state.timed.items():
+            if kind != run:
+                timings.clear()
         if close:
-            state.timed[close[0]].clear()
             return close[0]
     return None
 
