@@ -71,6 +71,15 @@ def test_a_trial_ends_once_its_timings_price_the_arm_beyond_try_within():
     assert state.trying is None
 
 
+def test_a_tried_arm_timed_the_cheapest_runs_as_the_running_arm():
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    times = {"padded": 0.5, "ragged": 1.0}
+    choices = [run(state, predicted, times=times) for _ in range(MIN_SAMPLES + 2)]
+    assert [c.kind for c in choices] == ["ragged"] * MIN_SAMPLES + ["padded", "padded"]
+    assert choices[-1].why == "timed on this device"  # not "trying it (the running arm is padded)"
+
+
 def test_a_timing_still_on_its_way_does_not_cut_a_trial_short():
     """Timings land once the GPU ran the batch: a trial whose timings have not landed runs its MIN_SAMPLES batches."""
     state = ShapeState()

@@ -152,8 +152,8 @@ def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], samp
     want = want if want is not None and cost[want] < math.inf else None
     why = "timed on this device" if state.timed.get(run) else "predicted"
     timed = len(state.timed.get(run, ())) < MIN_SAMPLES
-    trying = state.trying
-    if trying is not None and trying in ready and trying in cost and cost[trying] <= TRY_WITHIN * cost[run]:
+    trying = state.trying if state.trying != run else None  # (timed the cheapest, it runs: no trial)
+    if trying in ready and trying in cost and cost[trying] <= TRY_WITHIN * cost[run]:
         run, why, timed = trying, f"trying it (the running arm is {run})", True
         state.tries_left -= 1
         if state.tries_left <= 0:
