@@ -8,14 +8,10 @@ every thread). `capture_now` does both on the caller's thread (the tuner, forced
 
 A batch replays the kept graph of its key, or one of the same batch size, inputs and causality up to four times
 as wide, the narrowest first: each width a stream meets unserved is a capture. The layers stop at the counted rows,
-so spare width costs only the programs that find no row: MNLI B=128 on the MiniLM shape took 1.97 ms a batch on a
-graph 4x its width, 1.78 on one 2x (H100). Serving only up to 2x cost as much in captures on the first pass of the
-24 CoRa rows as it saved (the auto column alone on `hf_table`'s protocol, alternated in one lease: first pass
-2.13-2.17 against 2.10-2.11 ms geomean, second 1.93-1.95 against 1.95-1.96). Letting a wider graph stand in
-while a batch's own is captured lost more than it saved, since the host queues a whole pass of replays on the
-stand-in before the capture lands: MiniLM shape, first pass, 2.35-2.41 ms geomean with stand-ins up to 8x wide
-against 2.09-2.31 without (MNLI B=64 gained, 1.6-2.6 ms against 2.6-3.7; CoLA B=32 lost, 1.9-2.2 against 0.5-0.7;
-alternated in one lease, H100).
+so spare width costs only the programs that find no row (MNLI B=128, MiniLM shape: 1.97 ms a batch on a graph 4x
+wide, 1.78 on one 2x; H100). Serving only up to 2x cost as much in first-pass captures as it saved. A wider graph
+standing in while a batch's own is captured lost: the host queues a whole pass of replays on it before the capture
+lands (stand-ins up to 8x wide: MiniLM first pass 2.35-2.41 ms geomean against 2.09-2.31 without, H100).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
