@@ -248,6 +248,66 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
     assert (whole[:, L:] == 7).all()
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "B,L,batch,width,D,first,pad_position,with_types,dtype",
+    [(5, 37, 8, 48, 24, False, None, True, torch.float32), (5, 70, 6, 80, 40, True, 1, True, torch.float32),
+     (6, 130, 6, 144, 24, True, None, False, torch.float32), (4, 16, 4, 16, 48, False, 1, False, torch.float16)],
+)  # fmt: skip
+def test_masked_embedding_writes_each_real_token_where_pack_puts_it(
+    device, B, L, batch, width, D, first, pad_position, with_types, dtype
+):
+    """The mask graph's embedding step: word + type + position tables and the LayerNorm, computed for the real
+    tokens only, each into the packed row the mask's layout gives it, whatever the padding pattern; positions
+    from the columns or counted from the ids (RoBERTa), column 0 of left-padded rows as one more row with
+    first_column, spans of several programs per row (L > 64); nothing else written."""
+    from autoragged.kernels import masked_embed
+
+    g = torch.Generator().manual_seed(2)
+    mask = _awkward_mask(B, L, device)
+    ids = torch.randint(0, 50, (B, L), generator=g)
+    if pad_position is not None:  # pad ids at the pads and at a few real tokens, as transformers counts them
+        ids = ids.masked_fill(mask.cpu() | (torch.rand(B, L, generator=g) < 0.1), pad_position)
+    ids = ids.to(device)
+    types = torch.randint(0, 2, (B, L), generator=g).to(device) if with_types else None
+    table = lambda n: torch.randn(n, D, generator=g).to(dtype).to(device)  # noqa: E731
+    tables = masked_embed.Tables(table(50), table(L + 3), table(2), table(1)[0] + 1, table(1)[0], 1e-5, pad_position)
+    out = torch.empty(B, L, D, dtype=dtype, device=device)
+    args = torch.tensor([ids.data_ptr(), out.data_ptr(), 0, 0, *out.stride()[:2], B, L, mask.data_ptr(),
+                         *mask.stride()], dtype=torch.int64, device=device)  # fmt: skip
+    programs = batch * width // 16 + batch
+    meta = torch.zeros((meta_size(batch, programs, first),), dtype=torch.int32, device=device)
+    graph_layout.layout(args, meta, batch, programs, 16, 1, from_mask=True, first_column=first)
+    offsets = meta[: batch + 1]
+    total = int(offsets[B])
+    values = torch.full((batch * width, D), float("nan"), dtype=dtype, device=device)
+    masked_embed.embed_masked(args, ids, types, tables, values, offsets, batch, width, first)
+    want = masked_embed.embed_masked_ref(ids, types, mask, tables, torch.full_like(values, float("nan")),
+                                         offsets.cpu().tolist(), first)  # fmt: skip
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(values[:total], want[:total], rtol=tol, atol=tol)
+    assert values[total:].isnan().all()  # nothing past the batch's tokens
+    assert total == int((~mask).sum()) + (sum(int(mask[b, 0] and not mask[b].all()) for b in range(B)) if first else 0)
+    if pad_position is None:  # an id past its table: that token's row is NaN, the others as before
+        real = (~mask).nonzero()
+        b, t = real[len(real) // 2].tolist()
+        ids[b, t] = 50
+        masked_embed.embed_masked(args, ids, types, tables, values, offsets, batch, width, first)
+        bad = values[:total].isnan().all(1)
+        assert int(bad.sum()) == 1
+        torch.testing.assert_close(values[:total][~bad], want[:total][~bad], rtol=tol, atol=tol)
+
+
+def test_masked_embedding_positions_follow_transformers():
+    """Column positions; RoBERTa's counted from the ids (pads keep padding_idx) match transformers' own."""
+    from autoragged.kernels.masked_embed import positions_ref
+    from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
+
+    ids = torch.tensor([[5, 6, 1, 7, 1], [1, 1, 8, 9, 4]])
+    assert positions_ref(ids, None).tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert torch.equal(positions_ref(ids, 1), RobertaEmbeddings.create_position_ids_from_input_ids(ids, 1))
+
+
 def test_a_layout_from_a_mask_is_packed():
     args = torch.zeros(11, dtype=torch.int64)
     meta = torch.zeros(meta_size(2, 4), dtype=torch.int32)

@@ -459,14 +459,20 @@ def test_the_report_shows_hf_modules_like_any_other(tmp_path, monkeypatch):
     assert "hf-bert:2x64/2h/ff128:gelu:post:float32" in text and "ragged" in text
 
 
-@pytest.mark.parametrize("family", ["bert", "albert", "roberta"])
-def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family):
+@pytest.mark.parametrize(
+    "family,embedding", [("bert", "module"), ("albert", "module"), ("roberta", "module"), ("bert", "tables"),
+                         ("roberta", "tables"), ("distilbert", "tables")],
+)  # fmt: skip
+def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original(family, embedding):
     """The ragged graph fed a mask (graphs/capture.py, "mask") never reads lengths. It computes column 0 of a
     left-padded row (a pad, which the original computes and its pooler or a task head reads) as a query-only row:
     here its pass runs eagerly, Triton kernels in the interpreter, on left-padded, right-padded, holed, one-token
     and all-pad rows; pooler_output, real tokens and each left-padded row's column 0 must be the original's, the
-    pads it reports the mask's, and the all-pad row NaN (the original computes it; the graph cannot)."""
-    from autoragged.kernels import graph_layout
+    pads it reports the mask's, and the all-pad row NaN (the original computes it; the graph cannot). Its
+    embedding step: the model's module on the padded ids, then pack; or, from the family's tables, the real
+    tokens' embeddings straight into their packed rows (kernels/masked_embed.py: RoBERTa's positions from the ids,
+    DistilBERT's without token types)."""
+    from autoragged.kernels import graph_layout, masked_embed, masked_pack
 
     from autoragged.graphs.capture import _StaticLayout, mask_pass
     from autoragged.planning.planner import graph_config
@@ -502,8 +508,16 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
             ran.append((v.shape[0], config.backend))
             return body.values(v, layout, config, causal)
 
-        pads = mask_pass(values_fn, args, values, layout, config, False)
-        pooled = body.family.pool(model, out)
+        pack = masked_pack.pack_masked
+        if embedding == "tables":
+            tables = body.embed_tables(model)
+            types = torch.zeros_like(ids) if tables.token_type is not None else None  # the graph's static zeros
+
+            def pack(args, values, offsets, batch, width, first):
+                masked_embed.embed_masked(args, ids, types, tables, values, offsets, batch, width, first)
+
+        pads = mask_pass(values_fn, args, values, layout, config, False, pack)
+        pooled = body.family.pool(model, out) if body.family.pool is not None else None
         plain = _unwrapped(model)
         want, want64 = plain(**kwargs), copy.deepcopy(plain).double()(**kwargs)
     assert layout.live[0] == 20
@@ -515,8 +529,9 @@ def test_the_mask_graphs_pass_pools_column_0_of_left_padded_rows_as_the_original
     left = torch.tensor([0, 2, 3])
     ours0, want0, want0_64 = (t[left, 0] for t in (out, want.last_hidden_state, want64.last_hidden_state))
     assert_within_torch_error(ours0, want0, want0_64, "column 0 of left-padded rows")
-    p, p64 = want.pooler_output, want64.pooler_output
-    assert_within_torch_error(pooled[rows], p[rows], p64[rows], "pooler_output")
+    if pooled is not None:
+        p, p64 = want.pooler_output, want64.pooler_output
+        assert_within_torch_error(pooled[rows], p[rows], p64[rows], "pooler_output")
     assert (out[1, 6:] == 0).all()  # pads are zeros but a left-padded row's column 0
     assert out[4].isnan().all()  # the original computes an all-pad row's pads; this graph says it cannot
 
@@ -546,6 +561,33 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
     body = model._autoragged.ready(model).body
     embeds = {"inputs_embeds": torch.randn(2, 5, 64), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     assert HFEncoderCall(body, model, embeds, None).graph_inputs() is None
+
+
+def test_the_embedding_step_is_read_as_tables_only_where_it_is_transformers_own_sum_and_norm():
+    """The mask graph computes the embeddings from tables (kernels/masked_embed.py) only for transformers' own
+    BERT-family embedding modules with nothing after them; a projection (ELECTRA's, ALBERT's mapping), a
+    subclass, or a family of another kind keeps the module (the graph runs it on the padded ids)."""
+
+    def tables(family, **extra):
+        model = autoragged.wrap(model_of(family, **extra), db=False)
+        return model._autoragged.ready(model).body.embed_tables(model)
+
+    bert = tables("bert")
+    assert bert.pad_position is None and bert.token_type is not None and bert.eps == 1e-12
+    assert tables("roberta").pad_position == 1  # positions counted from the ids, from padding_idx + 1
+    assert tables("distilbert").token_type is None
+    assert tables("electra", embedding_size=64) is not None
+    assert tables("electra") is None  # embedding_size 32: a projection to the hidden size follows
+    assert tables("albert") is None and tables("modernbert") is None
+
+    class Scaled(transformers.models.bert.modeling_bert.BertEmbeddings):
+        def forward(self, *args, **kwargs):
+            return 2 * super().forward(*args, **kwargs)
+
+    model = model_of("bert")
+    model.embeddings.__class__ = Scaled
+    wrapped = autoragged.wrap(model, db=False)
+    assert wrapped._autoragged.ready(wrapped).body.embed_tables(wrapped) is None
 
 
 @pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])

@@ -7,9 +7,10 @@ queued, records the graphs whose warm-up is done, on the caller's thread (a capt
 every thread). `capture_now` does both on the caller's thread (the tuner, forced benchmark arms).
 
 A batch replays the kept graph of its key, or one of the same batch size, inputs and causality up to four times
-as wide, the narrowest first: each width a stream meets unserved is a capture. The layers stop at the counted rows,
-so spare width costs only the programs that find no row (MNLI B=128, MiniLM shape: 1.97 ms a batch on a graph 4x
-wide, 1.78 on one 2x; H100). Serving only up to 2x cost as much in first-pass captures as it saved. A wider graph
+as wide, the narrowest first: each width a stream meets unserved is a capture. The layers and the BERT family's
+embedding step stop at the counted rows, so spare width costs little (MNLI B=128, MiniLM shape: 1.32 ms a replay
+on a graph 4x wide, 1.27 at its own width; H200). Serving only up to 2x cost as much in first-pass captures as it
+saved. A wider graph
 standing in while a batch's own is captured lost: the host queues a whole pass of replays on it before the capture
 lands (stand-ins up to 8x wide: MiniLM first pass 2.35-2.41 ms geomean against 2.09-2.31 without, H100).
 

@@ -14,7 +14,9 @@ How a graph takes its batch (`GraphKey.lengths_from`):
     "lengths": host lengths, right padding (a `lengths=` call, or a mask that was read).
     "values":  a RaggedTensor's values, copied in and out.
 `GraphKey.inputs` "ids" / "ids_tt": the graph also runs the body's embedding step on static token ids (and token
-types) that each replay fills: the host launches no embedding step.
+types) that each replay fills: the host launches no embedding step. A mask graph whose body gives that step as
+tables (`Body.embed_tables`, the BERT family) computes the real tokens' embeddings only, straight into their packed
+rows (kernels/masked_embed.py); otherwise the body's module runs over the whole (batch, width) buffer.
 
 Per batch the host writes the args (pointers, strides, sizes, lengths) into a slot of a pinned ring that the
 graph's first kernel reads (kernels/graph_args.py): no host->device copy, no sync, no Triton launch from Python.
@@ -37,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import graph_args, graph_layout, masked_pack, ragged_pack
+from ..kernels import graph_args, graph_layout, masked_embed, masked_pack, ragged_pack
 
 __all__ = ["GraphKey", "RaggedGraph", "record_event", "event_done", "mask_pass"]
 
@@ -162,14 +164,15 @@ def event_done(event: torch.cuda.Event) -> None:
         event.synchronize()
 
 
-def mask_pass(values_fn, args, values, layout: _StaticLayout, config, causal):
+def mask_pass(values_fn, args, values, layout: _StaticLayout, config, causal, pack=masked_pack.pack_masked):
     """What a graph fed a mask runs, on the batch `args` points at (kernels/masked_pack.py): the layout counted
-    from the mask into `layout`'s buffer, pack, the layers (`values_fn`, a body's `values`), unpack. Returns each
-    row's pads over the graph's width (`layout.max_len`) columns (for the decision record)."""
+    from the mask into `layout`'s buffer, pack (or `pack`, same signature: the embedding step into packed rows),
+    the layers (`values_fn`, a body's `values`), unpack. Returns each row's pads over the graph's width
+    (`layout.max_len`) columns (for the decision record)."""
     first = layout.key_lengths is not None
     meta, batch, programs, width = layout.meta, layout.batch, layout.programs, layout.max_len
     graph_layout.layout(args, meta, batch, programs, config.block_m, 1, from_mask=True, first_column=first)
-    masked_pack.pack_masked(args, values, layout.offsets, batch, width, first)
+    pack(args, values, layout.offsets, batch, width, first)
     out = values_fn(values, layout, config, causal)
     masked_pack.unpack_masked(args, out, layout.offsets, batch, width, first)
     return width - (layout.key_lengths if first else layout.lengths)
@@ -205,6 +208,13 @@ class RaggedGraph:
             layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
         values_fn, block_m, align = body.values, config.block_m, config.align
         embed = self._embed_step(module, body, key, D, device)
+        pack = masked_pack.pack_masked
+        tables = body.embed_tables(module) if embed is not None and key.lengths_from == "mask" else None
+        if tables is not None:  # the embeddings of the real tokens only, straight into their packed rows
+            ids, types, embed = self.ids, self.types, None
+
+            def pack(args, values, offsets, batch, width, first):
+                masked_embed.embed_masked(args, ids, types, tables, values, offsets, batch, width, first)
 
         if key.lengths_from == "values":
 
@@ -219,7 +229,7 @@ class RaggedGraph:
                 mailbox.fetch()
                 if embed is not None:
                     embed()
-                return mask_pass(values_fn, args, values, layout, config, causal)
+                return mask_pass(values_fn, args, values, layout, config, causal, pack)
 
         else:
             extent = -(-width // align) * align
@@ -264,8 +274,8 @@ class RaggedGraph:
         self.graph = graph
         if self.key.lengths_from == "mask":
             self.pads = self.output
-        if self.key.inputs != "x":
-            self.x = self._made["x"]  # the captured run's embeddings: the replays write them in place
+        if self.key.inputs != "x":  # the captured run's embeddings (the replays write them in place), or the ids
+            self.x = self._made.get("x", self.ids)  # where the embedding step writes packed rows (`embed_tables`)
 
     def _embed_step(self, module, body, key: GraphKey, D: int, device):
         """With inputs "ids" / "ids_tt": the static token ids (and types) the replays fill, and the graph's step

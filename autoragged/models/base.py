@@ -31,7 +31,8 @@ class Body:
                     fed a mask computes a left-padded row's column 0 as a query-only row (kernels/masked_pack.py)
     embeds_in_graph: the ragged graphs (fed a mask or host lengths) may compute the embeddings themselves from
                     the call's token ids (`Call.graph_inputs`): the host launches no embedding step before the
-                    replay
+                    replay; `embed_tables` gives that step as tables where it is the BERT family's sum of tables
+                    and LayerNorm (the mask graph then computes it for the real tokens only)
     causal:         its batches are causal (a decoder): the eager arm keeps its packed rows, and `warmup` warms
                     no cuBLAS rungs for it (runtime/core.py `_eager_rows`)
     train_graphs:   the training graphs of its layers (graphs/train.py `TrainGraphs`), or None
@@ -77,6 +78,10 @@ class Body:
             return "autograd is on (this family's ragged arm has no backward)"
         if module.training and self.has_dropout and not self.trains:
             return "training mode with dropout"
+        return None
+
+    def embed_tables(self, module: torch.nn.Module):
+        """The embedding step as kernels/masked_embed.py's `Tables`, or None (see the class docstring)."""
         return None
 
     def hooked(self) -> bool:

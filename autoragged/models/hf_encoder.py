@@ -42,6 +42,7 @@ from transformers import modeling_outputs as outputs
 from transformers.activations import GELUActivation
 
 from ..graphs import train as _train_graphs
+from ..kernels.masked_embed import Tables
 from ..kernels.ragged_attention import HEAD_DIMS
 from ..tuning_db import ModuleSignature
 from . import hf as _hf
@@ -154,6 +155,31 @@ def _distilbert_embed(base, kw):
     return base.embeddings(kw.get("input_ids"), kw.get("inputs_embeds"), kw.get("position_ids"))
 
 
+# transformers' own embedding modules whose step is word + token type + position tables and a LayerNorm
+_TABLE_EMBEDDINGS = {"BertEmbeddings", "RobertaEmbeddings", "XLMRobertaEmbeddings", "CamembertEmbeddings",
+                     "ElectraEmbeddings", "Embeddings"}  # fmt: skip
+
+
+def _embedding_tables(base) -> Tables | None:
+    """The embedding step as the tables kernels/masked_embed.py reads, where it is transformers' own module of the
+    BERT family (checked by class: a subclass may compute anything) with absolute positions and no projection
+    after it; else None (the graph runs the module itself)."""
+    emb = getattr(base, "embeddings", None)
+    cls = type(emb)
+    if cls.__name__ not in _TABLE_EMBEDDINGS or not cls.__module__.startswith("transformers.models."):
+        return None
+    if getattr(base, "embeddings_project", None) is not None or not isinstance(emb.LayerNorm, nn.LayerNorm):
+        return None
+    if getattr(emb, "position_embedding_type", "absolute") != "absolute" or emb.LayerNorm.weight is None:
+        return None
+    by_ids = hasattr(cls, "create_position_ids_from_input_ids")  # RoBERTa's positions: padding_idx + 1 on
+    types = getattr(emb, "token_type_embeddings", None)
+    types = types.weight if types is not None else None
+    norm = emb.LayerNorm
+    return Tables(emb.word_embeddings.weight, emb.position_embeddings.weight, types, norm.weight, norm.bias,
+                  norm.eps, emb.padding_idx if by_ids else None)  # fmt: skip
+
+
 def _embedding_modules(base) -> list[nn.Module]:
     """The modules the embedding step (`Family.embed`) calls, with their submodules."""
     tops = (getattr(base, "embeddings", None), getattr(base, "embeddings_project", None),
@@ -189,6 +215,7 @@ class Family:
     pool: object = None  # (base, padded last hidden state) -> pooler_output, or None
     unsupported: str | None = None  # why the ragged arm never runs this family
     qkv: object = None  # base -> each layer's (q, k, v) nn.Linears, laid out as one product (qkv.py)
+    tables: object = None  # base -> the embedding step as tables (`_embedding_tables`), or None
 
 
 _BERT = Family(
@@ -198,6 +225,7 @@ _BERT = Family(
     outputs.BaseModelOutputWithPoolingAndCrossAttentions,
     _bert_pool,
     qkv=_bert_qkv,
+    tables=_embedding_tables,
 )
 _NO_INTERFACE = "its attention adds a relative-position bias outside transformers' attention interface"
 FAMILIES: dict[str, Family] = {
@@ -211,6 +239,7 @@ FAMILIES: dict[str, Family] = {
         lambda b: b.encoder.layer,
         outputs.BaseModelOutputWithPastAndCrossAttentions,
         qkv=_bert_qkv,
+        tables=_embedding_tables,
     ),  # fmt: skip
     "albert": Family(
         _albert_embed,
@@ -226,6 +255,7 @@ FAMILIES: dict[str, Family] = {
         lambda b: b.transformer.layer,
         outputs.BaseModelOutput,
         qkv=_distilbert_qkv,
+        tables=_embedding_tables,
     ),  # fmt: skip
     "modernbert": Family(_modernbert_embed, None, lambda b: b.layers, outputs.BaseModelOutput),
     "mpnet": Family(
@@ -282,6 +312,9 @@ class HFEncoderBody(_hf.HFBody):
 
     def autocast_reason(self, dtype, cast):
         return autocast_reason(dtype) if self.fused else "autocast"
+
+    def embed_tables(self, module) -> Tables | None:
+        return self.family.tables(module) if self.family.tables is not None else None
 
     def embeds_hooked(self) -> bool:
         """True when a module of the embedding step has a forward hook (a graph would run it at its capture only)."""
