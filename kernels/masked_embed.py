@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ._config import next_pow2
 from ._triton import tl, triton
-from .masked_pack import MASK_ARGS
+from .masked_pack import MASK_ARGS, batch_row
 
 __all__ = ["Tables", "embed_masked", "embed_masked_ref", "positions_ref"]
 
@@ -84,11 +84,8 @@ def _masked_embed_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     t_start = tl.program_id(1) * SPAN
-    n_rows = tl.load(args_ptr + 6)  # ARG_B
-    L = tl.load(args_ptr + 7).to(tl.int32)  # ARG_L
+    n_rows, L, mask_row, stride_ml = batch_row(args_ptr, b)
     if (b < n_rows) & (t_start < L):
-        mask_row = tl.load(args_ptr + 8).to(tl.pointer_type(tl.int8)) + b.to(tl.int64) * tl.load(args_ptr + 9)
-        stride_ml = tl.load(args_ptr + 10)
         ids_row = ids_ptr + b.to(tl.int64) * stride_ib
         dtype = values_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)

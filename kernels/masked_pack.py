@@ -37,7 +37,7 @@ import torch
 from ._config import next_pow2
 from ._triton import tl, triton
 
-__all__ = ["pack_masked", "unpack_masked", "pack_masked_ref", "unpack_masked_ref", "ARG_MASK", "MASK_ARGS"]
+__all__ = ["pack_masked", "unpack_masked", "pack_masked_ref", "unpack_masked_ref", "batch_row", "ARG_MASK", "MASK_ARGS"]
 
 ARG_MASK, ARG_MASK_SB, ARG_MASK_SL = 8, 9, 10
 MASK_ARGS = 11
@@ -57,6 +57,15 @@ def _real_before(mask_row, stride_ml, t0, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def batch_row(args_ptr, b):
+    """From the args: the batch's rows and length, and row b's mask pointer and column stride."""
+    n_rows = tl.load(args_ptr + 6)  # ARG_B
+    L = tl.load(args_ptr + 7).to(tl.int32)  # ARG_L
+    mask_row = tl.load(args_ptr + 8).to(tl.pointer_type(tl.int8)) + b.to(tl.int64) * tl.load(args_ptr + 9)
+    return n_rows, L, mask_row, tl.load(args_ptr + 10)
+
+
+@triton.jit
 def _masked_kernel(
     args_ptr,
     values_ptr,
@@ -70,11 +79,8 @@ def _masked_kernel(
 ):
     b = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
-    n_rows = tl.load(args_ptr + 6)  # ARG_B
-    L = tl.load(args_ptr + 7).to(tl.int32)  # ARG_L
+    n_rows, L, mask_row, stride_ml = batch_row(args_ptr, b)
     if (b < n_rows) & (t0 < L):
-        mask_row = tl.load(args_ptr + 8).to(tl.pointer_type(tl.int8)) + b.to(tl.int64) * tl.load(args_ptr + 9)
-        stride_ml = tl.load(args_ptr + 10)
         t = t0 + tl.arange(0, BLOCK_T)
         inside = t < L
         pad = tl.load(mask_row + t * stride_ml, mask=inside, other=1)
