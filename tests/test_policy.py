@@ -1,5 +1,5 @@
-"""The policy (runtime/policy.py): predicted costs until an arm is timed, timed costs after; the cheapest ready
-arm runs and a cheaper graph that is not ready is asked for; close arms are tried; the runner-up is timed anew on a
+"""The policy (runtime/policy.py): predicted costs, scaled by how far the prediction was off (timed / predicted on
+the shape once an arm is timed there, the module's other shapes until then); the cheapest ready arm runs and a cheaper graph that is not ready is asked for; close arms are tried; the runner-up is timed anew on a
 schedule. Pure host logic: no model, no device."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def run(state, predicted, ready=ALL, sample_every=32, times=None):
     """One batch: the choice, and its timing fed back where the batch is timed (times: kind -> ms)."""
     choice = choose(state, predicted, set(ready), sample_every)
     if choice.timed and times is not None:
-        observe(state, choice.kind, times[choice.kind])
+        observe(state, choice.kind, times[choice.kind], predicted[choice.kind])
     return choice
 
 
@@ -46,7 +46,7 @@ def test_timed_costs_overrule_predictions_and_untimed_arms_are_scaled_like_the_t
         assert run(state, predicted, times={"ragged_graph": 2.0}).kind == "ragged_graph"
     assert policy.costs(state, predicted) == {"padded": 40.0, "ragged": 4.0, "ragged_graph": 2.0}
     for _ in range(MIN_SAMPLES):
-        observe(state, "ragged", 1.5)
+        observe(state, "ragged", 1.5, predicted["ragged"])
     assert run(state, predicted).kind == "ragged"
 
 
@@ -107,7 +107,8 @@ def test_the_runner_up_is_timed_anew_every_retry_every_batches():
     times["ragged_graph"] = 0.7  # faster now: only a fresh timing can tell
     retry = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES)]
     assert retry == ["ragged_graph"] * MIN_SAMPLES
-    assert list(state.timed["ragged_graph"]) == [0.7] * MIN_SAMPLES  # the old timings were dropped
+    assert policy.costs(state, predicted)["ragged_graph"] == pytest.approx(0.7)  # the old timings were dropped
+    assert len(state.timed["ragged_graph"]) == MIN_SAMPLES
     assert run(state, predicted).kind == "ragged_graph"
 
 
@@ -122,7 +123,8 @@ def test_an_arm_priced_out_by_one_slow_first_timing_is_tried_again_at_the_retry(
     times["padded"] = 0.8  # its first run's cost is paid
     retry = [run(state, predicted, times=times).kind for _ in range(MIN_SAMPLES + 2)]
     assert retry == ["ragged", "padded", "padded", "padded", "padded"]
-    assert list(state.timed["padded"]) == [0.8] * MIN_SAMPLES  # timed faster, it runs on, sampled
+    assert policy.costs(state, predicted)["padded"] == pytest.approx(0.8)  # timed faster, it runs on, sampled
+    assert len(state.timed["padded"]) == MIN_SAMPLES
 
 
 def test_timing_follows_sample_every_once_an_arm_has_its_samples():
@@ -140,9 +142,9 @@ def test_one_slow_timing_does_not_overturn_a_choice():
     not decide."""
     state = ShapeState()
     for ms in (0.3, 40.0, 0.3):
-        observe(state, "ragged_graph", ms)
+        observe(state, "ragged_graph", ms, 1.0)
     for ms in (0.5, 0.5, 0.5):
-        observe(state, "ragged", ms)
+        observe(state, "ragged", ms, 1.0)
     assert run(state, {"padded": 9.0, "ragged": 1.0, "ragged_graph": 1.0}).kind == "ragged_graph"
 
 
@@ -177,18 +179,35 @@ def test_a_trial_whose_graph_cannot_be_captured_is_dropped():
     assert choice.kind == "ragged" and choice.want is None
 
 
+def test_timings_on_batches_of_one_content_price_a_batch_of_another_by_the_prediction():
+    """Batches of one shape (batch size, width rung) can hold very different token counts: 128 rows of 128 real
+    tokens, then 128 rows of 40. Timed on the full rows, the eager arm and the graph tie (6.6 and 6.7 ms); on the
+    short rows the prior puts the graph well ahead, and each arm's timings scale its prediction there, so the graph
+    runs (raw timings would have kept the eager arm: 6.6 < 6.7)."""
+    state = ShapeState()
+    full = {"padded": 9.0, "ragged": 6.0, "ragged_graph": 6.5}
+    for kind, ms in (("ragged", 6.6), ("ragged_graph", 6.7)):
+        for _ in range(MIN_SAMPLES):
+            observe(state, kind, ms, full[kind])
+    assert run(state, full).kind == "ragged"
+    short = {"padded": 4.0, "ragged": 2.6, "ragged_graph": 1.9}
+    cost = policy.costs(state, short)
+    assert cost["ragged"] == pytest.approx(2.86) and cost["ragged_graph"] == pytest.approx(1.9 * 6.7 / 6.5)
+    assert run(state, short).kind == "ragged_graph"
+
+
 def test_an_arms_cost_is_its_recent_timings_however_many_came_before():
     """Devices and streams drift: the cost is the median of an arm's last WINDOW timings. The graph ran slowly for
     20 batches, then fast for WINDOW: it is the fast arm again (the median of all its timings says 0.6)."""
     state = ShapeState()
     for _ in range(MIN_SAMPLES):
-        observe(state, "padded", 0.45)
+        observe(state, "padded", 0.45, 1.0)
     for _ in range(20):
-        observe(state, "ragged_graph", 0.6)
+        observe(state, "ragged_graph", 0.6, 1.0)
     predicted = {"padded": 1.0, "ragged_graph": 1.0}
     assert run(state, predicted).kind == "padded"
     for _ in range(policy.WINDOW):
-        observe(state, "ragged_graph", 0.3)
+        observe(state, "ragged_graph", 0.3, 1.0)
     assert policy.costs(state, predicted)["ragged_graph"] == 0.3
     assert run(state, predicted).kind == "ragged_graph"
 
@@ -205,9 +224,9 @@ def test_an_arm_untimed_on_a_shape_costs_what_the_modules_other_shapes_say_of_it
     state = ShapeState()
     predicted = {"padded": 30.0, "ragged": 1.2, "ragged_graph": 1.1}
     for _ in range(MIN_SAMPLES):
-        observe(state, "ragged_graph", 1.6)
+        observe(state, "ragged_graph", 1.6, predicted["ragged_graph"])
     cost = policy.costs(state, predicted, scales)
-    assert cost["ragged"] == 12.0 and cost["ragged_graph"] == 1.6
+    assert cost["ragged"] == 12.0 and cost["ragged_graph"] == pytest.approx(1.6)
     kinds = {choose(state, predicted, ALL, 32, scales).kind for _ in range(20)}
     assert kinds == {"ragged_graph"}
     assert scales.estimate("padded", 2.0, 1.5) == 3.0  # not timed anywhere: this shape's scale

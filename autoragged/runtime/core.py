@@ -546,9 +546,10 @@ class Runtime:
             record = timed.record
             record.measured_ms = ms
             if timed.shape is not None:
-                policy.observe(timed.shape, timed.kind, ms)
+                predicted = record.predicted_ms.get(timed.kind, math.inf)
+                policy.observe(timed.shape, timed.kind, ms, predicted)
                 scales = self.scales if backward is None else self.train_scales
-                scales.observe(timed.kind, ms, record.predicted_ms.get(timed.kind, math.inf), timed.host_ms)
+                scales.observe(timed.kind, ms, predicted, timed.host_ms)
             config = None if record.arm.config is None else record.arm.config.to_dict()
             extra = {"ladder": LADDER_VERSION} if record.arm.graph else {}
             if backward is not None:  # with the forward-only prediction it was priced against (`Scales.seed`)

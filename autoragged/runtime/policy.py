@@ -3,11 +3,12 @@
 Per shape (`ShapeKey`: the batch size, the padded length's rung, and whether only a device mask came) the
 runtime keeps a `ShapeState`, and one rule decides:
 
-1. An arm's cost is its timed cost on this shape (the median of its recent timings; a batch that compiled a
-   kernel or ran beside a graph's warm-up is no timing), or, until it has one, the cost model's prediction scaled by
-   how far the model was off for that arm on the module's other shapes, else on the arms this shape has timed (in
-   training, else on the arms the module has timed), and never less than the host time its calls took on any shape
-   of the module (`Scales`). Training's start from the device's recorded training costs (`tune --train`, earlier
+1. An arm's cost is the cost model's prediction for the batch scaled by how far the model was off for that arm:
+   on this shape once the arm is timed there (the median of its recent timed / predicted ratios, so timings taken
+   on batches of other token counts price this one; a batch that compiled a kernel or ran beside a graph's warm-up
+   is no timing), until then on the module's other shapes, else on the arms this shape has timed (in training,
+   else on the arms the module has timed); never less than the host time its calls took on any shape of the
+   module (`Scales`). Training's start from the device's recorded training costs (`tune --train`, earlier
    processes' timed training batches), which the module's own timings push out.
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
    of the background worker (graphs/worker.py), and runs once it is there.
@@ -57,7 +58,8 @@ class ShapeKey(NamedTuple):
 
 @dataclass
 class ShapeState:
-    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings (ms);
+    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings, each as
+    timed / predicted ms of its batch;
     stats: the latest batch whose lengths reached the host (an unread batch is predicted with them); unread: the
     record of the latest batch not read, whose stats are on their way to the host; trying: the arm being tried and
     its batches left; retry_at: the batch count of the next fresh timing of the runner-up."""
@@ -123,18 +125,20 @@ class Choice(NamedTuple):
 
 
 def costs(state: ShapeState, predicted: dict[str, float], scales: Scales | None = None) -> dict[str, float]:
-    """Each arm's cost: timed, else predicted and scaled (rule 1)."""
+    """Each arm's cost for this batch: predicted, and scaled by its timings here or as rule 1 says."""
     median = statistics.median
-    ratios = [median(state.timed[k]) / p for k, p in predicted.items() if state.timed.get(k) and 0 < p < math.inf]
+    ratios = [median(state.timed[k]) for k in predicted if state.timed.get(k)]
     pooled = scales.pooled() if scales is not None else None
     shape = median(ratios) if ratios else (pooled or 1.0)
     out = {}
     for k, p in predicted.items():
         timed = state.timed.get(k)
-        if timed:
-            out[k] = median(timed)
+        if scales is None:
+            out[k] = p * (median(timed) if timed else shape)
+        elif timed:
+            out[k] = max(p * median(timed), scales.host_ms.get(k, 0.0))
         else:
-            out[k] = scales.estimate(k, p, shape) if scales is not None else p * shape
+            out[k] = scales.estimate(k, p, shape)
     return out
 
 
@@ -183,9 +187,12 @@ def _trial(state: ShapeState, run: str, untried: list[str], close: list[str]) ->
     return None
 
 
-def observe(state: ShapeState, kind: str, ms: float) -> None:
-    """A timing of `kind` on a batch of this shape."""
+def observe(state: ShapeState, kind: str, ms: float, predicted: float) -> None:
+    """A timing of `kind` on a batch of this shape that the cost model predicted at `predicted` ms (a batch
+    without a usable prediction teaches nothing)."""
+    if not 0 < predicted < math.inf:
+        return
     samples = state.timed.get(kind)
     if samples is None:
         samples = state.timed[kind] = deque(maxlen=WINDOW)
-    samples.append(ms)
+    samples.append(ms / predicted)
