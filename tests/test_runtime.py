@@ -100,7 +100,8 @@ def test_timings_overrule_the_prediction_and_a_read_counts_against_the_arm_that_
         arms = [(enc(x, src_key_padding_mask=mask), autoragged.recent_decisions(enc, 1)[0].arm)[1] for _ in range(9)]
     assert arms == ["ragged"] * MIN_SAMPLES + ["padded"] * (9 - MIN_SAMPLES)
     state = rt.shapes[ShapeKey(len(LENGTHS), core.mask_width(x.shape[1]), True)]
-    assert list(state.timed["ragged"]) == [5.0] * MIN_SAMPLES and len(state.timed["padded"]) >= MIN_SAMPLES  # over 1 ms predictions
+    # timed / predicted: 5 ms over a 1 ms prediction
+    assert list(state.timed["ragged"]) == [5.0] * MIN_SAMPLES and len(state.timed["padded"]) >= MIN_SAMPLES
     reads = len(device_masks)
     with torch.no_grad():
         enc(x, src_key_padding_mask=mask)
