@@ -196,6 +196,24 @@ def test_timings_on_batches_of_one_content_price_a_batch_of_another_by_the_predi
     assert run(state, short).kind == "ragged_graph"
 
 
+def test_a_timed_arms_price_never_drops_below_the_host_time_its_calls_took():
+    """Scaled by a ratio timed on long rows (the GPU's time decides there), the eager arm's prediction on a short
+    batch would be a fraction of what its launches cost the host: its price stays at the least host time its calls
+    took, and the graph runs."""
+    from autoragged.runtime.policy import Scales
+
+    scales = Scales()
+    scales.observe("ragged", 22.0, 20.0, 12.0)  # a long row: 12 ms of host time, 22 of GPU time
+    state = ShapeState()
+    for _ in range(MIN_SAMPLES):
+        observe(state, "ragged", 22.0, 20.0)
+        observe(state, "ragged_graph", 21.0, 20.0)
+    short = {"padded": 5.0, "ragged": 1.0, "ragged_graph": 1.5}
+    cost = policy.costs(state, short, scales)
+    assert cost["ragged"] == 12.0 and cost["ragged_graph"] == pytest.approx(1.575)
+    assert choose(state, short, ALL, 32, scales).kind == "ragged_graph"
+
+
 def test_an_arms_cost_is_its_recent_timings_however_many_came_before():
     """Devices and streams drift: the cost is the median of an arm's last WINDOW timings. The graph ran slowly for
     20 batches, then fast for WINDOW: it is the fast arm again (the median of all its timings says 0.6)."""
