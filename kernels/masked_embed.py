@@ -3,7 +3,8 @@
 A mask graph fed token ids (autoragged/graphs/capture.py, "mask" with inputs "ids") ran the model's own embedding
 module over its whole (batch, width) buffer and then packed the real rows: a graph 4x wider than its batch spent
 that much more on the embedding step (MNLI B=128 on the bert-base shape: 112 us a replay at width 128, 416 us at
-width 512; H200). Here each real token's row is computed where pack would put it, and nothing else:
+width 512; H200, benchmarks/diagnostics/graph_width.py). Here each real token's row is computed where pack would put
+it, and nothing else:
 
     values[offsets[b] + r] = LayerNorm(word[ids[b, t]] + type[types[b, t]] + position[pos(b, t)])
 
