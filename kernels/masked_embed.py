@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ._config import next_pow2
 from ._triton import tl, triton
-from .masked_pack import MASK_ARGS, batch_row
+from .masked_pack import MASK_ARGS, batch_row, real_before
 
 __all__ = ["Tables", "embed_masked", "embed_masked_ref", "positions_ref"]
 
@@ -60,17 +60,13 @@ class Tables(NamedTuple):
 
 
 @triton.jit
-def _count_before(row_ptr, stride, t0, pad_id, IDS: tl.constexpr, BLOCK: tl.constexpr):
-    """In columns [0, t0) of a row: real tokens (mask 0), or with IDS, ids other than `pad_id`."""
+def _kept_before(ids_row, t0, pad_id, BLOCK: tl.constexpr):
+    """Ids other than `pad_id` in columns [0, t0) of a row."""
     count = 0
     for s in range(0, t0, BLOCK):
         t = s + tl.arange(0, BLOCK)
-        if IDS:
-            v = tl.load(row_ptr + t * stride, mask=t < t0, other=pad_id)
-            count += tl.sum((v != pad_id).to(tl.int32), 0)
-        else:
-            v = tl.load(row_ptr + t * stride, mask=t < t0, other=1)
-            count += tl.sum((v == 0).to(tl.int32), 0)
+        v = tl.load(ids_row + t, mask=t < t0, other=pad_id)
+        count += tl.sum((v != pad_id).to(tl.int32), 0)
     return count
 
 
@@ -97,16 +93,16 @@ def _masked_embed_kernel(
         start = tl.load(offsets_ptr + b).to(tl.int64)
         if FIRST_COL:
             n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
-        real_before = _count_before(mask_row, stride_ml, t_start, 0, False, 64)
+        done = real_before(mask_row, stride_ml, t_start, 64)  # real tokens before this span
         if POS_FROM_IDS:
-            kept_before = _count_before(ids_row, 1, t_start, pad_id, True, 64)
+            kept_before = _kept_before(ids_row, t_start, pad_id, 64)
         for s in range(t_start, tl.minimum(t_start + SPAN, L), BLOCK_T):
             t = s + tl.arange(0, BLOCK_T)
             inside = t < L
             pad = tl.load(mask_row + t * stride_ml, mask=inside, other=1)
             real = (pad == 0) & inside
-            rank = real_before + tl.cumsum(real.to(tl.int32), 0) - 1
-            real_before += tl.sum(real.to(tl.int32), 0)
+            rank = done + tl.cumsum(real.to(tl.int32), 0) - 1
+            done += tl.sum(real.to(tl.int32), 0)
             if FIRST_COL:  # a left-padded row's column 0 is its component's last row (query only)
                 first = (t == 0) & (pad != 0) & (t * 0 < n)
                 rank = tl.where(first, n - 1, rank)

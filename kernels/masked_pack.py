@@ -37,7 +37,8 @@ import torch
 from ._config import next_pow2
 from ._triton import tl, triton
 
-__all__ = ["pack_masked", "unpack_masked", "pack_masked_ref", "unpack_masked_ref", "batch_row", "ARG_MASK", "MASK_ARGS"]
+__all__ = ["pack_masked", "unpack_masked", "pack_masked_ref", "unpack_masked_ref", "batch_row", "real_before",
+           "ARG_MASK", "MASK_ARGS"]  # fmt: skip
 
 ARG_MASK, ARG_MASK_SB, ARG_MASK_SL = 8, 9, 10
 MASK_ARGS = 11
@@ -46,7 +47,7 @@ _MAX_BLOCK_D = 256
 
 
 @triton.jit
-def _real_before(mask_row, stride_ml, t0, BLOCK_T: tl.constexpr):
+def real_before(mask_row, stride_ml, t0, BLOCK_T: tl.constexpr):
     """Real tokens (mask 0) of a mask row in positions [0, t0)."""
     count = 0
     for s in range(0, t0, BLOCK_T):
@@ -85,7 +86,7 @@ def _masked_kernel(
         inside = t < L
         pad = tl.load(mask_row + t * stride_ml, mask=inside, other=1)
         real = (pad == 0) & inside
-        rank = _real_before(mask_row, stride_ml, t0, BLOCK_T) + tl.cumsum(real.to(tl.int32), 0) - 1
+        rank = real_before(mask_row, stride_ml, t0, BLOCK_T) + tl.cumsum(real.to(tl.int32), 0) - 1
         start = tl.load(offsets_ptr + b).to(tl.int64)
         if FIRST_COL:  # a left-padded row's column 0 is its component's last row (query only)
             n = tl.load(offsets_ptr + b + 1).to(tl.int64) - start
