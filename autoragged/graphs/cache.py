@@ -7,15 +7,12 @@ queued, records the graphs whose warm-up is done, on the caller's thread (a capt
 every thread). `capture_now` does both on the caller's thread (the tuner, forced benchmark arms).
 
 A batch replays the kept graph of its key, or one of the same batch size, inputs and causality up to four times as
-wide, the narrowest first: each width a stream meets unserved is a capture. The layers and the BERT family's
-embedding step stop at the counted rows, so spare width costs little (MNLI B=128, MiniLM shape: 1.32 ms a replay on
-a graph 4x wide, 1.27 at its own width; H200, benchmarks/diagnostics/graph_width.py). Serving only up to 2x cost as
-much in first-pass captures as it saved. A wider graph standing in while a batch's own is captured lost: the host
-queues a whole pass of replays on it before the capture lands (stand-ins up to 8x wide: MiniLM first pass 2.35-2.41
-ms geomean against 2.09-2.31 without, H100). A graph keeps the Triton tiles of the rows it was captured for
-(bert-base Wiki128 B=64: 3.86 ms a batch on the 512-wide graph made for RACE's rows, 3.36 on `warmup()`'s own;
-H200), but keying graphs by tile class as well did not pay: its extra captures landed in second passes (MiniLM first
-pass 1.84-2.07 ms geomean against 1.84-2.10, second pass up to 1.72x the first).
+wide, the narrowest first: each width a stream meets unserved is a capture (serving up to 2x, the first pass paid as
+much in captures as it saved). The layers and the BERT family's embedding step stop at the counted rows, so spare
+width costs little (MNLI B=128, MiniLM shape: 1.32 ms a replay on a graph 4x wide, 1.27 at its own width; H200). A
+graph keeps the Triton tiles of the rows it was captured for (bert-base Wiki128 B=64: 3.86 ms a batch on a graph made
+for RACE's rows, 3.36 on its own); neither a wider graph standing in while a batch's own is captured nor graphs keyed
+by tile class paid for their extra captures (A/Bs on the serving protocol, benchmarks/hf_table.py).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
