@@ -89,6 +89,31 @@ def test_a_timing_still_on_its_way_does_not_cut_a_trial_short():
     assert [run(state, predicted).kind for _ in range(MIN_SAMPLES)] == ["padded"] * MIN_SAMPLES
 
 
+def test_a_trial_batch_whose_host_time_alone_prices_the_arm_out_ends_the_trial_before_its_timing_lands():
+    """A batch's cost is at least the host time its call took, known when the call returns: HF's padded forward
+    took 0.5 s at its first call on a new shape, and its trial ran on while that timing waited behind the GPU."""
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0, "ragged_graph": math.inf}
+    for _ in range(MIN_SAMPLES):
+        run(state, predicted, times={"ragged": 1.0})
+    assert run(state, predicted).kind == "padded"  # the trial's first batch: its timing is on its way
+    policy.started(state, "padded", 500.0)
+    assert [run(state, predicted).kind for _ in range(3)] == ["ragged"] * 3
+    assert state.trying is None
+    observe(state, "padded", 520.0, predicted["padded"])  # landed: the timing prices it, the host floor goes
+    assert not state.host_ms and policy.costs(state, predicted)["padded"] == pytest.approx(520.0)
+
+
+def test_a_host_floor_prices_only_an_arm_whose_timings_have_not_landed_here():
+    """The floor stands for the timing on its way: an arm already timed on the shape is priced by its timings."""
+    state = ShapeState()
+    predicted = {"padded": 2.0, "ragged": 1.0}
+    observe(state, "ragged", 1.0, predicted["ragged"])
+    policy.started(state, "ragged", 9.0)
+    policy.started(state, "padded", 9.0)
+    assert policy.costs(state, predicted) == {"padded": 9.0, "ragged": 1.0}
+
+
 def test_an_arm_predicted_beyond_try_within_is_never_tried():
     state = ShapeState()
     predicted = {"padded": TRY_WITHIN * 1.01, "ragged": 1.0}

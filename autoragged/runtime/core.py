@@ -500,8 +500,11 @@ class Runtime:
     def _time(self, timer, t0: float, record: Record, kind: str, shape, backward: _Backward | None) -> None:
         timers, pair = timer
         timers.record(pair[1])
+        host_ms = (time.perf_counter() - t0) * 1e3
+        if shape is not None:
+            policy.started(shape, kind, host_ms)
         self.ring.append(record)
-        self.pending.append(_Timed(timers, pair, (time.perf_counter() - t0) * 1e3, record, kind, shape, backward))
+        self.pending.append(_Timed(timers, pair, host_ms, record, kind, shape, backward))
 
     def _backward(self, module, timers: Timers, out) -> _Backward | None:
         """The backward timing of a timed training batch, or None where its output or parameters take no gradient."""
