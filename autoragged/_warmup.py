@@ -228,7 +228,8 @@ def _warm_cublas_rows(runtime, groups, device) -> int:
 
 
 def _key_label(key) -> str:
-    return f"{key.batch} x {key.width}, {key.lengths_from} ({key.inputs}){' causal' if key.causal else ''}"
+    causal = " causal" if key.causal else ""
+    return f"{key.batch} x {key.width}, {key.lengths_from} ({key.inputs}){causal}, {key.tiles} tiles"
 
 
 # -- the batches ----------------------------------------------------------------------------------------------
