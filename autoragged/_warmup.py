@@ -228,8 +228,7 @@ def _warm_cublas_rows(runtime, groups, device) -> int:
 
 
 def _key_label(key) -> str:
-    causal = " causal" if key.causal else ""
-    return f"{key.batch} x {key.width}, {key.lengths_from} ({key.inputs}){causal}, {key.tiles} tiles"
+    return f"{key.batch} x {key.width}, {key.lengths_from} ({key.inputs}){' causal' if key.causal else ''}"
 
 
 # -- the batches ----------------------------------------------------------------------------------------------

@@ -245,12 +245,6 @@ _LARGE = KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_sta
 _LARGE_FILL = 0.75  # the share of the large tiles' waves real rows and columns fill below which the mid tiles win
 
 
-def tile_class(rows: int) -> str:
-    """The class of `rows` among `default_config`'s row buckets ("small", "mid", "large": large tiles only where
-    their fill says so): a CUDA graph keeps the tiles of its capture rows, so graphs are kept per class."""
-    return "small" if rows <= _SMALL_ROWS else "mid" if rows <= _MID_ROWS else "large"
-
-
 def default_config(n: int, k: int, rows: int, sms: int = 132) -> KernelConfig:
     """The untuned tiles for an (N, K) weight on `rows` rows of a GPU with `sms` SMs. Bucketed by rows,
     never keyed on them, so a new batch size never needs a new kernel. K does not change the pick: with the

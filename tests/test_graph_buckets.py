@@ -381,7 +381,6 @@ def test_a_batch_replays_a_kept_graph_up_to_four_times_as_wide_the_narrowest_fir
     assert cache.lookup(GraphKey(8, 16, "mask", "ids", False)) is None
     assert cache.lookup(GraphKey(8, 64, "mask", "x", False)) is None  # other inputs
     assert cache.lookup(GraphKey(16, 64, "mask", "ids", False)) is None  # another batch size
-    assert cache.lookup(GraphKey(8, 64, "mask", "ids", False, 1, "mid")) is None  # another tile class
 
 
 def test_a_failed_capture_is_remembered_and_the_cap_evicts_the_least_recently_used(monkeypatch, caplog):

@@ -397,17 +397,6 @@ def test_linear_default_tiles_follow_the_rows():
     assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
 
 
-@pytest.mark.parametrize("rows", [1, 1024, 1025, 4096, 4097, 9000, 16384, 100_000])
-def test_a_tile_class_holds_the_rows_whose_tiles_default_config_picks_alike(rows):
-    """Graphs are kept per tile class (graphs/cache.py): below "large" the class fixes every linear's tiles; in
-    "large" each (N, K) gets the large tiles or the mid ones by its fill."""
-    shapes = [(512, 2048), (1536, 512), (768, 3072), (384, 1536)]
-    picked = {k_lin.default_config(n, k, rows) for n, k in shapes}
-    cls = k_lin.tile_class(rows)
-    want = {"small": {k_lin._SMALL}, "mid": {k_lin._MID}}.get(cls)
-    assert picked == want if want is not None else picked <= {k_lin._MID, k_lin._LARGE}
-
-
 def test_linear_tiles_fit_shared_memory():
     """The default tiles are picked for 2-byte elements; fp32 gets fewer stages, then shorter K tiles, until
     its buffers fit, and 2-byte tiles that fit are left alone."""

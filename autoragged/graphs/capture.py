@@ -48,8 +48,7 @@ class GraphKey(NamedTuple):
     """What one captured graph serves: batches of `batch` rows whose padded length fits `width`, taken as
     `lengths_from` ("mask", "lengths", "values"), their embeddings packed from the caller's hidden states
     (`inputs` "x") or computed in the graph from token ids ("ids", "ids_tt"), `causal` attention or not, each
-    component's rows starting at a multiple of `align` (a RaggedTensor's own layout), their tokens in one class of
-    the Triton linears' tiles (`tiles`, kernels/ragged_linear.py `tile_class`)."""
+    component's rows starting at a multiple of `align` (a RaggedTensor's own layout)."""
 
     batch: int
     width: int
@@ -57,7 +56,6 @@ class GraphKey(NamedTuple):
     inputs: str
     causal: bool
     align: int = 1
-    tiles: str = "large"
 
     @property
     def rows(self) -> int:

@@ -32,7 +32,6 @@ from torch import nn
 from ..graphs.cache import GraphCache
 from ..graphs.capture import GraphKey, RaggedGraph
 from ..kernels._config import KernelConfig
-from ..kernels.ragged_linear import tile_class
 from ..planning.buckets import LADDER_VERSION, cublas_rows, mask_width
 from ..planning.costmodel import PADDED, AnalyticPrior, Arm
 from ..planning.device import device_key
@@ -251,7 +250,7 @@ class Runtime:
         predicted = {"padded": predictions.ms["padded"], "ragged": predictions.ms["ragged"]}
         ready = {"padded", "ragged"}
         # a graph replays no dropout mask, records no autograd and casts nothing: training and autocast run eager
-        gkey = None if key.train or key.autocast or module.training else self._graph_key(call, key, stats.total)
+        gkey = None if key.train or key.autocast or module.training else self._graph_key(call, key)
         graph, unavailable = None, None
         if gkey is not None:
             cache = self.graph_cache()
@@ -378,23 +377,23 @@ class Runtime:
         return None
 
     # -- the arms ---------------------------------------------------------------------------------------
-    def _graph_key(self, call, key: ShapeKey, rows: int) -> GraphKey | None:
-        """The graph that may run this call of about `rows` tokens, or None where none can: no GPU, graphs off, a
-        body whose linears are not ours (its own modules' would compute every row of the graph's capacity), a call
-        the graph does not take (`Call.eager_only`), or a causal mask that was not read."""
+    def _graph_key(self, call, key: ShapeKey) -> GraphKey | None:
+        """The graph that may run this call, or None where none can: no GPU, graphs off, a body whose linears are
+        not ours (its own modules' would compute every row of the graph's capacity), a call the graph does not
+        take (`Call.eager_only`), or a causal mask that was not read."""
         body = self.body
         if not (self.options.graphs and body.fused and call.device.type == "cuda") or call.eager_only is not None:
             return None
         inputs = call.graph_inputs() if call.ragged_in is None else None
-        mode, tiles = inputs[0] if inputs is not None else "x", tile_class(rows)
+        mode = inputs[0] if inputs is not None else "x"
         if call.ragged_in is not None:
             rt = call.ragged_in
-            return GraphKey(call.B, mask_width(rt.max_len), "values", "x", call.causal, rt.align, tiles)
+            return GraphKey(call.B, mask_width(rt.max_len), "values", "x", call.causal, rt.align)
         if call.kpm is not None and call.kpm.dtype == torch.bool and body.mask_graph and not call.causal:
-            return GraphKey(call.B, key.width, "mask", mode, False, 1, tiles)
+            return GraphKey(call.B, key.width, "mask", mode, False)
         if key.mask_only:
             return None
-        return GraphKey(call.B, key.width, "lengths", mode, call.causal, 1, tiles)
+        return GraphKey(call.B, key.width, "lengths", mode, call.causal)
 
     def graph_cache(self) -> GraphCache:
         """The module's graphs (made at the first use: one cache, on the module's device)."""
@@ -427,7 +426,7 @@ class Runtime:
     def graph(self, module, call, stats: BatchStats):
         """The graph that runs `call`, captured now on this thread where it is not kept (the tuner and the forced
         benchmark arms measure graphs this way), or None where no graph can run it."""
-        gkey = self._graph_key(call, ShapeKey(call.B, mask_width(call.L), False), stats.total)
+        gkey = self._graph_key(call, ShapeKey(call.B, mask_width(call.L), False))
         if gkey is None:
             return None
         cache = self.graph_cache()
