@@ -9,7 +9,7 @@ runtime keeps a `ShapeState`, and one rule decides:
    is no timing), until then on the module's other shapes, else on the arms this shape has timed (in training,
    else on the arms the module has timed); never less than the host time its calls took on any shape of the
    module (`Scales`), nor, while an arm has no timing here, less than the host time its latest batch here took
-   (known at once: HF's padded forward took 80-600 ms at its first call on a new shape, and its trial went on
+   (known at once: HF's padded forward took up to 0.7 s at its first call on a new shape, and its trial went on
    for batches while that timing waited behind the queued GPU work). Training's start from the device's recorded
    training costs (`tune --train`, earlier processes' timed training batches), which the module's own timings
    push out.
