@@ -215,9 +215,11 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
     mask = _awkward_mask(B, L, device)
     whole = torch.full((B, L + 3, D), 7.0, dtype=torch.float16, device=device)
     out = whole[:, :L]
+    pads = torch.full((batch + 2,), -1, dtype=torch.int32)  # where the graph stores each row's pads: host memory
+    pads = pads.pin_memory() if torch.device(device).type == "cuda" else pads
     args = torch.tensor(
-        [x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2], B, L, mask.data_ptr(), *mask.stride()],
-        dtype=torch.int64, device=device,
+        [x.data_ptr(), out.data_ptr(), *x.stride()[:2], *out.stride()[:2], B, L, mask.data_ptr(), *mask.stride(),
+         pads.data_ptr()], dtype=torch.int64, device=device,
     )  # fmt: skip
     assert args.numel() == masked_pack.MASK_ARGS
     programs = batch * width // 16 + batch
@@ -246,6 +248,18 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
     left = [b for b in range(B) if bool(mask[b, 0]) and keys[b] > 0]
     assert left and (out[left, 0] != 0).any() == first  # column 0 of left-padded rows: written back, or zeros
     assert (whole[:, L:] == 7).all()
+    # each row's pads over the width, from its real tokens (a query-only column 0 is no real token), into host
+    # memory; the grid's spare rows and what follows untouched; with no destination (0) nothing is written
+    lengths = (graph_layout.key_lengths if first else lambda *a: graph_layout.sections(*a)[1])(meta, batch, programs)
+    masked_pack.post_pads(args, lengths, width, batch)
+    torch.cuda.synchronize() if torch.device(device).type == "cuda" else None
+    assert pads.tolist() == [width - n for n in keys] + [-1] * (batch + 2 - B)
+    assert masked_pack.post_pads_ref(lengths.cpu(), width, B, torch.full_like(pads, -1)).tolist() == pads.tolist()
+    pads.fill_(-1)
+    args[masked_pack.ARG_PADS] = 0
+    masked_pack.post_pads(args, lengths, width, batch)
+    torch.cuda.synchronize() if torch.device(device).type == "cuda" else None
+    assert (pads == -1).all()
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -274,7 +288,7 @@ def test_masked_embedding_writes_each_real_token_where_pack_puts_it(
     tables = masked_embed.Tables(table(50), table(L + 3), table(2), table(1)[0] + 1, table(1)[0], 1e-5, pad_position)
     out = torch.empty(B, L, D, dtype=dtype, device=device)
     args = torch.tensor([ids.data_ptr(), out.data_ptr(), 0, 0, *out.stride()[:2], B, L, mask.data_ptr(),
-                         *mask.stride()], dtype=torch.int64, device=device)  # fmt: skip
+                         *mask.stride(), 0], dtype=torch.int64, device=device)  # fmt: skip
     programs = batch * width // 16 + batch
     meta = torch.zeros((meta_size(batch, programs, first),), dtype=torch.int32, device=device)
     graph_layout.layout(args, meta, batch, programs, 16, 1, from_mask=True, first_column=first)

@@ -10,7 +10,8 @@ the rows the batch fills (`Layout.live`), so the work is that of the real tokens
 How a graph takes its batch (`GraphKey.lengths_from`):
     "mask":    the key padding mask alone, any padding pattern; nothing is read on the host, nothing synchronises.
                A body whose output's column 0 is read even where it is a pad (`first_column`) gets a left-padded
-               row's column 0 as one more, query-only, row. Each row's pad count stays on the device (`pads`).
+               row's column 0 as one more, query-only, row. Each row's pad count (for the decision record) is
+               stored by the graph into the pinned host slot the batch's args name (`run_mask`'s `pads_to`).
     "lengths": host lengths, right padding (a `lengths=` call, or a mask that was read).
     "values":  a RaggedTensor's values, copied in and out.
 `GraphKey.inputs` "ids" / "ids_tt": the graph also runs the body's embedding step on static token ids (and token
@@ -167,15 +168,15 @@ def event_done(event: torch.cuda.Event) -> None:
 def mask_pass(values_fn, args, values, layout: _StaticLayout, config, causal, pack=masked_pack.pack_masked):
     """What a graph fed a mask runs, on the batch `args` points at (kernels/masked_pack.py): the layout counted
     from the mask into `layout`'s buffer, pack (or `pack`, same signature: the embedding step into packed rows),
-    the layers (`values_fn`, a body's `values`), unpack. Returns each row's pads over the graph's width
-    (`layout.max_len`) columns (for the decision record)."""
+    the layers (`values_fn`, a body's `values`), unpack, and each row's pads over the graph's width
+    (`layout.max_len`) columns stored where the args' ARG_PADS points (for the decision record)."""
     first = layout.key_lengths is not None
     meta, batch, programs, width = layout.meta, layout.batch, layout.programs, layout.max_len
     graph_layout.layout(args, meta, batch, programs, config.block_m, 1, from_mask=True, first_column=first)
     pack(args, values, layout.offsets, batch, width, first)
     out = values_fn(values, layout, config, causal)
     masked_pack.unpack_masked(args, out, layout.offsets, batch, width, first)
-    return width - (layout.key_lengths if first else layout.lengths)
+    masked_pack.post_pads(args, layout.key_lengths if first else layout.lengths, width, batch)
 
 
 class RaggedGraph:
@@ -229,7 +230,7 @@ class RaggedGraph:
                 mailbox.fetch()
                 if embed is not None:
                     embed()
-                return mask_pass(values_fn, args, values, layout, config, causal, pack)
+                mask_pass(values_fn, args, values, layout, config, causal, pack)
 
         else:
             extent = -(-width // align) * align
@@ -272,8 +273,6 @@ class RaggedGraph:
             if collecting:
                 gc.enable()
         self.graph = graph
-        if self.key.lengths_from == "mask":
-            self.pads = self.output
         if self.key.inputs != "x":  # the captured run's embeddings (the replays write them in place), or the ids
             self.x = self._made.get("x", self.ids)  # where the embedding step writes packed rows (`embed_tables`)
 
@@ -347,10 +346,12 @@ class RaggedGraph:
         self.replay((*head, *lengths))
         return out
 
-    def run_mask(self, x: torch.Tensor | None, mask: torch.Tensor, ids=None, types=None) -> torch.Tensor:
+    def run_mask(
+        self, x: torch.Tensor | None, mask: torch.Tensor, ids=None, types=None, pads_to: int = 0
+    ) -> torch.Tensor:
         """ "mask": the output of the batch x (or token ids) with its key padding mask (B, L) bool, True = pad, any
-        pattern; nothing synchronises. `self.pads` holds each row's pad count over the width until the next
-        replay."""
+        pattern; nothing synchronises. `pads_to`: the address of B int32 in pinned host memory where the replay
+        stores each row's pad count over the width (0: nowhere)."""
         if self.key.inputs == "x":
             head, out = self._io(x)
         else:
@@ -364,7 +365,7 @@ class RaggedGraph:
             raise ValueError(f"the graph needs a bool mask ({B}, {L}) on {self.device}, got {mask.dtype} "
                              f"{tuple(mask.shape)} on {mask.device}")  # fmt: skip
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-        self.replay((*head, mask.data_ptr(), *mask.stride()))
+        self.replay((*head, mask.data_ptr(), *mask.stride(), pads_to))
         return out
 
     def run_values(self, values: torch.Tensor, lengths) -> torch.Tensor:

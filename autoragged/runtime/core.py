@@ -435,7 +435,8 @@ class Runtime:
         return cache.capture_now(gkey, make, call.device, nbytes)
 
     def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, graph=None):
-        """(output, each row's pads on the device where the lengths were not read, else None)."""
+        """(output, each row's pads where the lengths were not read, else None: on the device, or in the `PadsSlot`
+        a mask graph stores them in)."""
         if arm.kind == "ragged_graph":
             return self._replay(call, graph, lens)
         if not arm.ragged:
@@ -461,9 +462,12 @@ class Runtime:
         if key.lengths_from == "values":
             rt = call.ragged_in
             return call.finish(rt.with_values(graph.run_values(rt.values, lens))), None
-        if key.lengths_from == "mask":
-            out = graph.run_mask(x, call.kpm, ids, types)
-            return call.finish(out), graph.pads
+        if key.lengths_from == "mask":  # the replay stores each row's pads in a pinned slot: no copy in the stream
+            ring = self._pads_ring(call.device)
+            slot = ring.take(call.B)
+            out = graph.run_mask(x, call.kpm, ids, types, slot.host.data_ptr())
+            ring.sent(slot)
+            return call.finish(out), slot
         return call.finish(graph.run_lengths(x, lens, ids, types)), None
 
     def eager(self, module, call, config: KernelConfig, lens, stats: BatchStats, not_prefix):

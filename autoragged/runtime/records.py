@@ -1,13 +1,15 @@
 """Decision records on their way out, and the pinned ring that brings the stats of unread batches to the host.
 
 A record is cheap to make on the hot path; its `BatchStats` may arrive later (a mask-only batch whose
-lengths were never read: the device counts its pads, a non-blocking copy brings them home).
+lengths were never read: the device counts its pads into a pinned host slot, which a mask graph's replay
+writes itself and the padded arm's count reaches by a non-blocking copy).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -15,7 +17,7 @@ from ..graphs.capture import event_done, record_event
 from ..graphs.worker import worker
 from ..tuning_db import BatchStats, Decision
 
-__all__ = ["Record", "PadsRing", "Timers", "quiet_mark"]
+__all__ = ["Record", "PadsRing", "PadsSlot", "Timers", "quiet_mark"]
 
 
 class Record:
@@ -41,14 +43,21 @@ class Record:
         self.device = device
         self.signature = signature
 
-    def defer(self, pads: torch.Tensor, width: int, L: int, ring: PadsRing | None) -> None:
-        """Stats of a (B, L) batch from `pads` (B,) int32, each row's pad count over `width` >= L columns,
-        read when needed (a CUDA `pads` goes through `ring`, without waiting)."""
-        if pads.is_cuda:
-            host, event = ring.put(pads, self)
-            self._pending = (host, event, width, L)
-        else:
+    def defer(self, pads: torch.Tensor | PadsSlot, width: int, L: int, ring: PadsRing | None) -> None:
+        """Stats of a (B, L) batch from each row's pad count over `width` >= L columns, read when needed: `pads` a
+        slot of `ring` that the queued work writes (a mask graph's replay), a (B,) int32 CUDA tensor (copied into
+        a slot without waiting) or a CPU one."""
+        if isinstance(pads, torch.Tensor) and not pads.is_cuda:
             self._pending = (pads, None, width, L)
+            return
+        if isinstance(pads, torch.Tensor):
+            slot = ring.take(pads.shape[0])
+            slot.host.copy_(pads, non_blocking=True)
+            ring.sent(slot)
+        else:
+            slot = pads
+        ring.owners[slot.index] = self
+        self._pending = (slot.host, slot.event, width, L)
 
     @property
     def stats(self) -> BatchStats:
@@ -106,16 +115,26 @@ def _wait_for_copy(host: torch.Tensor, values: list[int], event) -> list[int]:
     return values
 
 
+class PadsSlot(NamedTuple):
+    """One batch's place in a `PadsRing`: the slot's index, its (B,) int32 pinned view (-1 until the counts land)
+    and the event recorded after the work that writes it."""
+
+    index: int
+    host: torch.Tensor
+    event: torch.cuda.Event
+
+
 class PadsRing:
-    """Pinned host slots for the pad counts of batches whose lengths were not read: one non-blocking copy
-    and one event per batch, no allocation. Once per round of `slots` batches, before slot 0 is reused,
-    the counts of records nobody has read yet move off the ring in one clone (after the round's last copy
-    has landed: long done, unless the host ran a round ahead of the device); records read earlier resolve
-    themselves: resolving one old record per batch (its copy-out and BatchStats) costs `put` 53 us a batch on an
-    H100 host.
-    A slot reads -1 until its copy lands (a pad count is never -1: `Record.stats` polls, no CUDA call): the
-    whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views
-    are made once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
+    """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay stores
+    a batch's counts in its slot itself (kernels/masked_pack.py `post_pads`; a copy after each replay cost a
+    stream 5-20 us a batch), the padded arm's come by one non-blocking copy; one event per batch, no allocation.
+    Once per round of `slots` batches, before slot 0 is reused, the counts of records nobody has read yet move
+    off the ring in one clone (after the round's last batch has completed: long done, unless the host ran a
+    round ahead of the device); records read earlier resolve themselves: resolving one old record per batch (its
+    copy-out and BatchStats) cost 53 us a batch on an H100 host.
+    A slot reads -1 until its counts land (a pad count is never -1: `Record.stats` polls, no CUDA call): the
+    whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views are made
+    once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
@@ -123,10 +142,13 @@ class PadsRing:
         self.views: dict[int, list[torch.Tensor]] = {}
         self.events = [torch.cuda.Event() for _ in range(slots)]
         self.owners: list[Record | None] = [None] * slots
+        self.retired: list[torch.Tensor] = []
 
-    def put(self, pads: torch.Tensor, record: Record):
-        B = pads.shape[0]
-        if B > self.width:  # records still pending keep views of the old buffer, which is never written again
+    def take(self, B: int) -> PadsSlot:
+        """The next slot, for a batch of B rows; `sent` once the work that writes it is queued."""
+        if B > self.width:  # no slot of the old buffer is handed out again; pending records keep views of it
+            if self.host is not None:  # and a queued replay may still write it: never freed (a few KiB each)
+                self.retired.append(self.host)
             self.width = max(B, 2 * self.width)
             # a plain tensor whatever mode this call is in: a buffer made under inference_mode is an inference
             # tensor, and the copies and fills of later calls under no_grad would raise
@@ -140,18 +162,18 @@ class PadsRing:
         views = self.views.get(B)
         if views is None:
             views = self.views[B] = list(self.host[:, :B].unbind(0))
-        view = views[i]
-        view.copy_(pads, non_blocking=True)
-        record_event(self.events[i], self.device.index)
-        self.owners[i] = record
-        return view, self.events[i]
+        return PadsSlot(i, views[i], self.events[i])
+
+    def sent(self, slot: PadsSlot) -> None:
+        """The work that writes `slot` is queued: its event follows it."""
+        record_event(slot.event, self.device.index)
 
     def _release(self) -> None:
         """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
         not landed (-1) again: all slots are free."""
         pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
         self.owners = [None] * self.slots
-        event_done(self.events[(self.i - 1) % self.slots])  # the newest copy; copies land in stream order
+        event_done(self.events[(self.i - 1) % self.slots])  # the newest batch's; batches land in stream order
         if pending:
             snapshot = self.host.clone()
             with _RESOLVE:
