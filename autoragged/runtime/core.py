@@ -462,11 +462,11 @@ class Runtime:
         if key.lengths_from == "values":
             rt = call.ragged_in
             return call.finish(rt.with_values(graph.run_values(rt.values, lens))), None
-        if key.lengths_from == "mask":  # the replay stores each row's pads in a pinned slot: no copy in the stream
-            ring = self._pads_ring(call.device)
-            slot = ring.take(call.B)
-            out = graph.run_mask(x, call.kpm, ids, types, slot.host.data_ptr())
-            ring.sent(slot)
+        if key.lengths_from == "mask":  # an unread batch's pads: stored by the replay in a pinned slot, no copy
+            slot = self._pads_ring(call.device).take(call.B) if lens is None else None
+            out = graph.run_mask(x, call.kpm, ids, types, 0 if slot is None else slot.host.data_ptr())
+            if slot is not None:
+                self.pads_ring.sent(slot)
             return call.finish(out), slot
         return call.finish(graph.run_lengths(x, lens, ids, types)), None
 
