@@ -263,6 +263,27 @@ def test_masked_pack_and_layout_follow_any_padding_pattern(device, B, L, batch, 
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("batch,n_rows", [(1, 1), (3, 2), (5, 5)])
+def test_post_pads_stores_each_rows_pads_in_host_memory(device, batch, n_rows):
+    """A mask graph's pad counts go straight into (pinned) host memory: width - length for the batch's rows, nothing
+    for the grid's spare rows or past them, and nothing at all without a destination."""
+    from autoragged.kernels import masked_pack
+
+    cuda = torch.device(device).type == "cuda"
+    pads = torch.full((batch + 1,), -1, dtype=torch.int32)
+    pads = pads.pin_memory() if cuda else pads
+    lengths = torch.tensor([7, 0, 30, 2, 16][:batch], dtype=torch.int32, device=device)
+    args = torch.zeros(masked_pack.MASK_ARGS, dtype=torch.int64)
+    args[6], args[masked_pack.ARG_PADS] = n_rows, pads.data_ptr()  # ARG_B
+    masked_pack.post_pads(args.to(device), lengths, 32, batch)
+    torch.cuda.synchronize() if cuda else None
+    want = masked_pack.post_pads_ref(lengths.cpu(), 32, n_rows, torch.full_like(pads, -1))
+    assert pads.tolist() == want.tolist() == [32 - n for n in lengths.tolist()[:n_rows]] + [-1] * (batch + 1 - n_rows)
+    with pytest.raises(ValueError, match="lengths must be int32"):
+        masked_pack.post_pads(args.to(device), lengths.long(), 32, batch)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize(
     "B,L,batch,width,D,first,pad_position,with_types,dtype",
     [(5, 37, 8, 48, 24, False, None, True, torch.float32), (5, 70, 6, 80, 40, True, 1, True, torch.float32),
