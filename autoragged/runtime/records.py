@@ -23,10 +23,11 @@ __all__ = ["Record", "PadsRing", "PadsSlot", "Timers", "quiet_mark"]
 class Record:
     """A decision on its way out: cheap to make on the hot path, a `Decision` when read.
 
-    The stats of a batch whose lengths were not read on the hot path arrive later: `defer` copies the
-    per-row pad counts to the host without waiting, and the first read of `stats` (the recorder's thread,
-    a harvest, `recent_decisions`) waits for that copy. The wait makes no CUDA call: the pinned slot was
-    filled with -1 (never a pad count) before the copy, and the copy is done when no -1 is left. A CUDA
+    The stats of a batch whose lengths were not read on the hot path arrive later: its per-row pad counts
+    reach a pinned host slot without waiting (stored there by the mask graph's replay, or copied by `defer`),
+    and the first read of `stats` (the recorder's thread, a harvest, `recent_decisions`) waits for them. The
+    wait makes no CUDA call: the slot was filled with -1 (never a pad count) before, and the counts have
+    landed when no -1 is left. A CUDA
     call from the recorder's thread (an event sync) while any thread captures a CUDA graph in PyTorch's
     default global mode invalidates that capture (seen on the H100: a user's capture failed)."""
 
@@ -100,9 +101,9 @@ _COPY_TIMEOUT_S = 30.0
 
 
 def _wait_for_copy(host: torch.Tensor, values: list[int], event) -> list[int]:
-    """The pad counts once the device->host copy into `host` (pre-filled with -1) has landed, polling the
-    pinned memory. Only a copy still missing after _COPY_TIMEOUT_S falls back to the event (which raises
-    the device's error, if that is why)."""
+    """The pad counts once they have landed in `host` (pre-filled with -1), polling the pinned memory. Only
+    counts still missing after _COPY_TIMEOUT_S fall back to the event (which raises the device's error, if that
+    is why)."""
     deadline = None
     while -1 in values:
         now = time.monotonic()
