@@ -42,7 +42,7 @@ class _CheckoutFinder:
 
 
 if not os.path.isdir(os.path.join(os.path.dirname(__file__), "kernels")) and os.path.isfile(
-    os.path.join(_CheckoutFinder.root, "kernels", "_config.py")
+    os.path.join(_CheckoutFinder.root, "kernels", "config.py")
 ):
     if not any(f is _CheckoutFinder for f in sys.meta_path):
         sys.meta_path.insert(0, _CheckoutFinder)  # before an editable install's finder of another tree
@@ -53,7 +53,7 @@ _LAZY = {
     "lengths_from_mask": (".ragged.tensor", "lengths_from_mask"),
     "strip_padding": (".ragged.tensor", "strip_padding"),
     "restore_padding": (".ragged.tensor", "restore_padding"),
-    "KernelConfig": (".kernels._config", "KernelConfig"),
+    "KernelConfig": (".kernels.config", "KernelConfig"),
     "BatchStats": (".tuning_db.records", "BatchStats"),
     "Decision": (".tuning_db.records", "Decision"),
     "Measurement": (".tuning_db.records", "Measurement"),

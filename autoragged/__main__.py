@@ -14,7 +14,7 @@ def _ragged_arm(device) -> str:
     default config on torch.nn.functional.linear (cuBLAS on a GPU)."""
     import torch
 
-    from .kernels._triton import HAS_TRITON
+    from .kernels.triton_compat import HAS_TRITON
     from .ragged.backend import use_triton
 
     if device.type == "cuda":
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import autoragged
 
-    from .kernels._triton import HAS_TRITON
+    from .kernels.triton_compat import HAS_TRITON
     from .tuning_db import default_path
 
     path = default_path()

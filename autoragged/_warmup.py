@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .graphs.worker import worker
-from .kernels._ahead import drain as drain_ahead
+from .kernels.ahead import drain as drain_ahead
 from .planning.buckets import cublas_rows, mask_width
 from .planning.planner import default_ragged_config
 from .ragged.layout import Layout
@@ -44,7 +44,7 @@ class WarmupSummary:
     "module: B x width, lengths_from (inputs)" labels; graphs, graph_bytes: graphs kept now and their bytes (all
     modules); evictions: graphs evicted meanwhile; bound_reached: the memory bound stopped captures;
     cublas_rows: row counts (rungs) the eager arm's cuBLAS linears were run on, all modules (`_warm_cublas_rows`);
-    ahead_s: the wait, at the end, for the kernel variants compiling in the background (`kernels/_ahead.py`) to be
+    ahead_s: the wait, at the end, for the kernel variants compiling in the background (`kernels/ahead.py`) to be
     done."""
 
     modules: int = 0
@@ -368,7 +368,7 @@ def _compile_clock():
     except (ImportError, AttributeError):
         yield total
         return
-    from .kernels._config import interpreting
+    from .kernels.config import interpreting
 
     if interpreting():
         yield total

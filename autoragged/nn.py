@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels._config import KernelConfig
+from .kernels.config import KernelConfig
 from .kernels.ragged_attention import HEAD_DIMS
 from .models.encoder import Dropouts, EncoderLayerSpec, encoder_values, linear_config
 from .ops import CAUSAL, FULL, attention_values, linear_values

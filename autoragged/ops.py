@@ -26,7 +26,7 @@ from .kernels import ragged_bmm as k_bmm
 from .kernels import ragged_linear as k_lin
 from .kernels import rms_norm as k_rms
 from .kernels import rotary as k_rope
-from .kernels._config import KernelConfig
+from .kernels.config import KernelConfig
 from .ragged.backend import use_triton
 from .ragged.layout import Layout
 from .ragged.tensor import RaggedTensor, zero_gaps

@@ -214,7 +214,7 @@ def _plan(names: list[str], quick: bool, on_gpu: bool, seed: int):
 
 
 def _suggest(trial):
-    from .kernels._config import KernelConfig
+    from .kernels.config import KernelConfig
 
     return KernelConfig(**{k: trial.suggest_categorical(k, v) for k, v in SPACE.items()})
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .kernels._config import KernelConfig
+from .kernels.config import KernelConfig
 from .models import adapters_for
 from .runtime.core import POLICIES, Options, Runtime
 from .runtime.recorder import RECORDER

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._triton import tl, triton
+from .triton_compat import tl, triton
 
 __all__ = ["silu_mul", "silu_mul_ref", "silu_mul_backward", "silu_mul_train", "SiluMulFunction"]
 

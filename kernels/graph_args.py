@@ -31,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._config import next_pow2
-from ._triton import tl, triton
+from .config import next_pow2
+from .triton_compat import tl, triton
 
 __all__ = ["fetch", "fetch_ref"]
 

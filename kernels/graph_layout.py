@@ -33,11 +33,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _ahead
-from ._config import aligned, next_pow2
-from ._triton import tl, triton
+from . import ahead
+from .config import aligned, next_pow2
 from .masked_pack import MASK_ARGS
 from .ragged_pack import ARGS_HEAD
+from .triton_compat import tl, triton
 
 __all__ = ["layout", "layout_ref", "meta_size", "sections"]
 
@@ -157,7 +157,7 @@ def layout(
     block_p = max(16, min(1024, 8192 // block_b))  # the (BLOCK_P, BLOCK_B) comparison stays small
     kernel_args = (args, meta, batch, programs, *starts(batch, programs))
     sizes = dict(HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_L=max(16, 4096 // block_b), num_warps=4)
-    if _ahead.first_sight(("layout", args.device, block_b), args):
+    if ahead.first_sight(("layout", args.device, block_b), args):
         _compile_siblings(kernel_args, sizes, (block_m, align, from_mask, first_column))
     _layout_kernel[(triton.cdiv(programs, block_p),)](
         *kernel_args, **sizes, BLOCK_M=block_m, ALIGN=align, FROM_MASK=from_mask, FIRST_COL=first_column,
@@ -166,7 +166,7 @@ def layout(
 
 def _compile_siblings(kernel_args: tuple, sizes: dict, mine: tuple) -> None:
     """The first layout of a batch size bucket (outside a capture) compiles, in the background, the variants
-    the other graphs of that bucket may launch (kernels/_ahead.py): the attention tiles' row blocks (32 or
+    the other graphs of that bucket may launch (kernels/ahead.py): the attention tiles' row blocks (32 or
     64 rows: the longest component at or under 32, or over) for a graph fed lengths (align 1) and one fed a
     mask (with and without the first-column row): a variant compiled inside a capture stalls the stream (HF
     bert-base, CoLA B=128 on an H100, benchmarks/stream_table.py)."""
@@ -177,7 +177,7 @@ def _compile_siblings(kernel_args: tuple, sizes: dict, mine: tuple) -> None:
         )  # fmt: skip
         for m, a, fm, fc in sorted(variants - {mine})
     ]
-    _ahead.submit(kernel_args[0].device, jobs, "layout")
+    ahead.submit(kernel_args[0].device, jobs, "layout")
 
 
 def layout_ref(

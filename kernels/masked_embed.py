@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._config import next_pow2
-from ._triton import tl, triton
+from .config import next_pow2
 from .masked_pack import MASK_ARGS, batch_row, real_before
+from .triton_compat import tl, triton
 
 __all__ = ["Tables", "embed_masked", "embed_masked_ref", "positions_ref"]
 

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from ._config import next_pow2
-from ._triton import tl, triton
+from .config import next_pow2
+from .triton_compat import tl, triton
 
 __all__ = ["pack_masked", "unpack_masked", "post_pads", "pack_masked_ref", "unpack_masked_ref", "post_pads_ref",
            "batch_row", "real_before", "ARG_MASK", "ARG_PADS", "MASK_ARGS"]  # fmt: skip

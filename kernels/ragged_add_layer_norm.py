@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
-from ._config import KernelConfig, _identity, next_pow2
-from ._triton import tl, triton
+from .config import KernelConfig, _identity, next_pow2
 from .ragged_linear import check_live, persistent_programs
+from .triton_compat import tl, triton
 
 __all__ = [
     "add_layer_norm",

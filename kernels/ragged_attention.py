@@ -51,9 +51,9 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from . import _ahead
-from ._config import KernelConfig, _identity, dot_upcast, next_pow2
-from ._triton import tl, triton
+from . import ahead
+from .config import KernelConfig, _identity, dot_upcast, next_pow2
+from .triton_compat import tl, triton
 
 __all__ = [
     "ragged_attention",
@@ -471,11 +471,11 @@ def sibling_tiles(config: KernelConfig, head_dim: int, element_size: int) -> lis
 
 def compile_sibling_tiles(args: tuple, flags: dict, config: KernelConfig) -> None:
     """The first launch of a variant (flags, argument specialisation) outside a capture compiles its sibling
-    tiles in the background (kernels/_ahead.py): compiled inside a CUDA-graph capture, a short batch's 32 x 32
+    tiles in the background (kernels/ahead.py): compiled inside a CUDA-graph capture, a short batch's 32 x 32
     tiles stall a stream of HF bert-base batches 0.3-0.7 s (CoLA B=128 on an H100, benchmarks/stream_table.py)."""
     q = args[0]
     # per launch: a tuple and a set lookup (the argument specialisation is the launch's own, taken by the warmups)
-    if not _ahead.first_sight(("attention", q.dtype, q.device, *flags.values()), q):
+    if not ahead.first_sight(("attention", q.dtype, q.device, *flags.values()), q):
         return
     jobs = [
         functools.partial(
@@ -490,7 +490,7 @@ def compile_sibling_tiles(args: tuple, flags: dict, config: KernelConfig) -> Non
         )  # fmt: skip
         for t in sibling_tiles(config, flags["HEAD_DIM"], q.element_size())
     ]
-    _ahead.submit(q.device, jobs, "attention tiles")
+    ahead.submit(q.device, jobs, "attention tiles")
 
 
 # -- the window convention ----------------------------------------------------------------------

@@ -28,8 +28,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import ragged_attention as fwd
-from ._config import KernelConfig, dot_upcast, next_pow2
-from ._triton import tl, triton
+from .config import KernelConfig, dot_upcast, next_pow2
+from .triton_compat import tl, triton
 
 __all__ = ["ragged_attention_backward", "ragged_attention_train", "backward_config", "AttentionProblem"]
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ._config import KernelConfig, _identity, dot_upcast
-from ._triton import tl, triton
+from .config import KernelConfig, _identity, dot_upcast
+from .triton_compat import tl, triton
 
 __all__ = ["ragged_bmm", "ragged_bmm_ref", "CONFIGS", "DEFAULT_CONFIG", "prune"]
 

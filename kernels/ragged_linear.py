@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from . import _ahead
-from ._config import KernelConfig, _identity, dot_upcast, interpreting
-from ._triton import HAS_TRITON, tl, triton
+from . import ahead
+from .config import KernelConfig, _identity, dot_upcast, interpreting
+from .triton_compat import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -435,7 +435,7 @@ def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]
 
 
 def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig) -> None:
-    if not _ahead.first_sight(("linear", *_sibling_key(x, N, K, flags)), x):
+    if not ahead.first_sight(("linear", *_sibling_key(x, N, K, flags)), x):
         return
     jobs = []
     for tiles in sibling_tiles(config, x.element_size()):
@@ -452,7 +452,7 @@ def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: 
             _linear_tma_kernel.warmup, *descs, bias_arg, live_arg, 16, N, K, **tile_flags,
             NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,),
         ))  # fmt: skip
-    _ahead.submit(x.device, jobs, "linear tiles")
+    ahead.submit(x.device, jobs, "linear tiles")
 
 
 def cublas_linear(

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ._config import next_pow2
-from ._triton import tl, triton
+from .config import next_pow2
+from .triton_compat import tl, triton
 
 __all__ = ["pack", "unpack", "pack_from", "unpack_to", "pack_ref", "unpack_ref", "PACK_BLOCK_M", "ARGS_HEAD"]
 

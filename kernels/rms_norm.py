@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._config import KernelConfig, next_pow2
-from ._triton import tl, triton
+from .config import KernelConfig, next_pow2
 from .ragged_linear import persistent_programs
+from .triton_compat import tl, triton
 
 __all__ = [
     "add_rms_norm",

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._config import next_pow2
-from ._triton import tl, triton
+from .config import next_pow2
+from .triton_compat import tl, triton
 
 __all__ = [
     "rotary",

@@ -9,7 +9,7 @@ are not held to zero. Under Triton's interpreter, bf16 casts truncate instead of
 """
 
 import torch
-from autoragged.kernels._config import interpreting
+from autoragged.kernels.config import interpreting
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,8 +9,8 @@ if not torch.cuda.is_available():  # does not create a CUDA context
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from autoragged.kernels._config import interpreting  # noqa: E402
-from autoragged.kernels._triton import HAS_TRITON  # noqa: E402
+from autoragged.kernels.config import interpreting  # noqa: E402
+from autoragged.kernels.triton_compat import HAS_TRITON  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

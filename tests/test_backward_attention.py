@@ -12,7 +12,7 @@ import pytest
 import torch
 from autoragged.kernels import ragged_attention as k_attn
 from autoragged.kernels import ragged_attention_backward as k_bwd
-from autoragged.kernels._triton import tl, triton
+from autoragged.kernels.triton_compat import tl, triton
 from conftest import triton_available
 
 from autoragged.ops import attention_values

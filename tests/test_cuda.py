@@ -112,7 +112,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
     before), and computes the reference's result."""
     import threading
 
-    from autoragged.kernels import _ahead
+    from autoragged.kernels import ahead
     from autoragged.kernels import ragged_linear as k_lin
     from triton import knobs
 
@@ -124,7 +124,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
             on_caller.append(kw["fn"].name)
 
     k_lin._linear_tma_kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
-    _ahead.forget()
+    ahead.forget()
     before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
     try:
         N, K = 400, 208
@@ -133,7 +133,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
         first = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
         k_lin.ragged_linear(first, w, b, "relu", k_lin.default_config(N, K, 64))
         assert on_caller == ["_linear_tma_kernel"]  # the small tiles, compiled where they were needed
-        _ahead.drain()  # one worker: the sibling compiles have finished
+        ahead.drain()  # one worker: the sibling compiles have finished
         for rows in (3000, 20000):
             x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
             config = k_lin.default_config(N, K, rows)
@@ -151,7 +151,7 @@ def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
     references' results."""
     import threading
 
-    from autoragged.kernels import _ahead, graph_layout
+    from autoragged.kernels import ahead, graph_layout
     from autoragged.kernels.graph_layout import meta_size
     from triton import knobs
 
@@ -166,7 +166,7 @@ def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
 
     for kernel in (k_attn._ragged_attn_fwd_kernel, graph_layout._layout_kernel):
         kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
-    _ahead.forget()
+    ahead.forget()
     before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
     try:
         H, D = 4, 64
@@ -179,13 +179,13 @@ def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
             got = k_attn.ragged_attention(q, k, v, offsets, lens, grid, blocks, config=config)
             want = k_attn.ragged_attention_ref(q, k, v, layout.offsets, lengths)
             torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-            _ahead.drain()  # one worker: the sibling compiles have finished
+            ahead.drain()  # one worker: the sibling compiles have finished
         assert on_caller == ["_ragged_attn_fwd_kernel"], on_caller  # the first tiles only
         batch, programs = 8, 40
         meta = torch.zeros(meta_size(batch, programs), dtype=torch.int32, device="cuda")
         args = torch.zeros(16 + batch, dtype=torch.int64, device="cuda")
         graph_layout.layout(args, meta, batch, programs, 64, 1)  # compiles itself, submits its siblings
-        _ahead.drain()
+        ahead.drain()
         for block_m in (32, 64):
             graph_layout.layout(args, meta, batch, programs, block_m, 1)
         assert on_caller == ["_ragged_attn_fwd_kernel", "_layout_kernel"], on_caller

@@ -17,7 +17,7 @@ from autoragged.kernels import ragged_bmm as k_bmm
 from autoragged.kernels import ragged_linear as k_lin
 from autoragged.kernels import rms_norm as k_rms
 from autoragged.kernels import rotary as k_rope
-from autoragged.kernels._config import interpreting
+from autoragged.kernels.config import interpreting
 from conftest import DEVICES, triton_available
 
 import autoragged.ops as ops
@@ -725,10 +725,10 @@ def test_sibling_tiles_are_the_other_row_buckets():
     assert k_lin.sibling_tiles(small, 2) == [mid, large]
     assert k_lin.sibling_tiles(large, 2) == [small, mid]
     assert all(k_lin.fit_shared_memory(t, 4) == t for t in k_lin.sibling_tiles(small, 4))
-    from autoragged.kernels import _ahead
+    from autoragged.kernels import ahead
 
-    before = set(_ahead._seen)
+    before = set(ahead._seen)
     x = torch.randn(8, 32)
     flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "PRECISION": "tf32", "UPCAST": False}
     k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, flags, small)
-    assert _ahead._seen == before  # nothing compiled ahead off the GPU
+    assert ahead._seen == before  # nothing compiled ahead off the GPU

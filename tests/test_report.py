@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _broken_db import damaged_db, in_readonly_mount
-from autoragged.kernels._config import KernelConfig
+from autoragged.kernels.config import KernelConfig
 from autoragged.tuning_db import BatchStats, Decision, DeviceKey, Measurement, TuningDB
 from torch import nn
 
@@ -292,7 +292,7 @@ def test_terminal_report_prints_the_numbers(filled, capsys):
 
 def test_configs_are_printed_as_recorded(filled, capsys):
     """The report prints an arm's config as `recent_decisions` and the database give it: the "cublas" linear backend
-    is torch.nn.functional.linear, which is cuBLAS on a GPU and PyTorch's own matmul on a CPU (kernels/_config.py)."""
+    is torch.nn.functional.linear, which is cuBLAS on a GPU and PyTorch's own matmul on a CPU (kernels/config.py)."""
     _, cpu, _ = filled
     assert report.main(["--db", str(filled[0]), "--device", cpu]) == 0
     out = capsys.readouterr().out

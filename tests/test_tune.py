@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from _broken_db import damaged_db, deny_writes
-from autoragged.kernels._config import KernelConfig
+from autoragged.kernels.config import KernelConfig
 from autoragged.tuning_db import BatchStats, Measurement, ModuleSignature, TuningDB
 
 import autoragged

@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..kernels import ragged_attention_backward as k_attn_bwd
-from ..kernels._config import aligned
+from ..kernels.config import aligned
 from ..planning.buckets import cublas_rows
 from ..ragged.layout import Layout
 from .cache import obtainable_bytes

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..graphs.train import why_not_call
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..ops import CAUSAL, FULL, add_layer_norm_values, attention_values, linear_values
 from ..ragged.layout import Layout
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..kernels._config import next_pow2  # (kernels._config imports neither torch nor triton)
+from ..kernels.config import next_pow2  # (kernels.config imports neither torch nor triton)
 
 __all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_rows", "LADDER_VERSION"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..tuning_db.records import BatchStats, DeviceKey, ModuleSignature
 from .buckets import padded_bucket, ragged_bucket
 

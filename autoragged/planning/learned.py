@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..tuning_db.records import BatchStats, DeviceKey, Measurement, ModuleSignature
 from .buckets import LADDER_VERSION
 from .costmodel import FEATURE_NAMES, FEATURE_VERSION, KINDS, PADDED, AnalyticPrior, Arm, features

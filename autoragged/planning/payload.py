@@ -163,7 +163,7 @@ def check_forest(payload: Any, n_features: int, where: str = "payload") -> tuple
 
 def check_candidates(candidates: Any) -> dict[str, list[dict]]:
     """The shortlist: signature key -> [{"max_len_le": int, "configs": [KernelConfig dict, ...]}, ...]."""
-    from ..kernels._config import KernelConfig
+    from ..kernels.config import KernelConfig
 
     if not isinstance(candidates, dict):
         raise PayloadError(f"payload.candidates is a {_type_name(candidates)}, not an object")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..kernels import ragged_attention as k_attn
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..tuning_db.records import BatchStats, ModuleSignature
 from .costmodel import PADDED, Arm
 

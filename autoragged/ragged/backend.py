@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels._config import interpreting
-from ..kernels._triton import HAS_TRITON
+from ..kernels.config import interpreting
+from ..kernels.triton_compat import HAS_TRITON
 
 _TRITON_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64})
 

@@ -17,7 +17,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ..kernels._config import aligned
+from ..kernels.config import aligned
 from .backend import host_to_device
 
 _CACHE_SIZE = 1024

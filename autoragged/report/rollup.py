@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..planning.planner import bucket_key
 from ..tuning_db import BucketTotals, Decision, DecisionTotals, Measurement, config_key
 

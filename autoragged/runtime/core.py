@@ -31,7 +31,7 @@ from torch import nn
 
 from ..graphs.cache import GraphCache
 from ..graphs.capture import GraphKey, RaggedGraph
-from ..kernels._config import KernelConfig
+from ..kernels.config import KernelConfig
 from ..planning.buckets import LADDER_VERSION, cublas_rows, mask_width
 from ..planning.costmodel import PADDED, AnalyticPrior, Arm
 from ..planning.device import device_key

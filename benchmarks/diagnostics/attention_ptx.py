@@ -98,7 +98,7 @@ def kernel_at(revision: str):
     folder = pathlib.Path(tempfile.mkdtemp()) / "attention_at_rev"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
-    for name in ("ragged_attention.py", "_config.py", "_triton.py"):
+    for name in ("ragged_attention.py", "config.py", "triton_compat.py"):
         text = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{revision}:kernels/{name}"], capture_output=True, text=True, check=True
         ).stdout

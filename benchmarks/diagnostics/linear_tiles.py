@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
-from autoragged.kernels._config import KernelConfig  # noqa: E402
+from autoragged.kernels.config import KernelConfig  # noqa: E402
 
 from benchmarks._common import geomean, header, require_cuda, table  # noqa: E402
 

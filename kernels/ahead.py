@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from ._config import interpreting
+from .config import interpreting
 
 __all__ = ["first_sight", "submit", "drain"]
 
