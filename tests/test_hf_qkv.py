@@ -158,3 +158,27 @@ def test_wrap_under_inference_mode_leaves_a_model_every_grad_mode_can_run(family
     assert not any(p.is_inference() for p in model.parameters())
     kwargs, _ = batch(side="left")
     model(**kwargs).last_hidden_state.sum().backward()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_model_made_under_inference_mode_keeps_its_three_q_k_v_parameters(family, monkeypatch):
+    """A model whose parameters are inference tensors (made, loaded or deep-copied under `torch.inference_mode()`)
+    keeps its q, k and v parameters as they are: made views of one plain buffer, they broke the model's own
+    forward, the padded arm ("Inference tensors do not track version counter"). Both arms compute the
+    original's function on real tokens, for either padding side."""
+    use_reference(monkeypatch)
+    plain = model_of(family)
+    with torch.inference_mode():
+        model = copy.deepcopy(plain)
+    assert all(p.is_inference() for p in model.parameters())
+    with torch.inference_mode():
+        autoragged.wrap(model, db=False)
+    assert fused_layers(model) == 0 and not any(shares_one_storage(t) for t in triples(model))
+    assert all(p.is_inference() for p in model.parameters())
+    for policy in ("padded", "ragged"):
+        for side in ("right", "left"):
+            kwargs, keep = batch(side=side)
+            with torch.inference_mode(), model._autoragged.forcing(policy):
+                out = model(**kwargs)
+            assert last(model).arm == policy, last(model).reason
+            check_close(family, out, autoragged.wrap(copy.deepcopy(plain), db=False), kwargs, keep)

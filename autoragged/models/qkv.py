@@ -13,6 +13,9 @@ are unchanged); an in-place update of any of them by any route (`copy_`, `.data.
 tensors share one storage (safetensors >= 0.8 saves such non-overlapping views); `unwrap` gives each its own
 storage back (`unfuse`).
 
+Parameters that are inference tensors (a model made, loaded or deep-copied under `torch.inference_mode()`) stay
+three: as views of a plain buffer they made the model's own forward raise.
+
 The views can be undone behind our back: `.to()`, `.half()` or `param.data = t` after `wrap` give a parameter
 storage of its own. `FusedQKV.layers` compares the parameters' data pointers with those the buffers hold (we keep
 the buffers alive, so no other tensor can own those addresses) on every eager run and capture: where one moved,
@@ -41,6 +44,9 @@ def _fusable(linears: tuple[nn.Linear, nn.Linear, nn.Linear]) -> bool:
     biases = [lin.bias for lin in linears]
     w0 = weights[0]
     if len({id(w) for w in weights}) != 3 or w0.device.type == "meta" or w0.dim() != 2:
+        return False
+    # made (or loaded, or deep-copied) under inference_mode: views of a plain buffer broke the model's own forward
+    if any(t is not None and t.is_inference() for t in (*weights, *biases)):
         return False
     if any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device for w in weights):
         return False
