@@ -417,6 +417,38 @@ def test_a_structure_change_after_wrap_is_what_the_ragged_arm_runs(change):
     assert_within_torch_error(real_tokens(y, LENGTHS), real_tokens(want, LENGTHS), real_tokens(want64, LENGTHS), change)
 
 
+@pytest.mark.parametrize("policy", ["ragged", "auto"])
+def test_a_cast_after_wrap_binds_the_module_anew(policy):
+    """Casting a wrapped module (`.double()`, `.to(dtype)`: the same parameter objects, a new dtype) binds it anew
+    at its next batch, as a structure change does: in float64, which no kernel takes, it runs padded with the
+    dtype as its reason, under policy="ragged" too (whose ragged arm raised a TypeError before); its signature
+    names the new dtype; cast back, the ragged arm may run again. Every output is PyTorch's own."""
+    torch.manual_seed(0)
+    enc = make_encoder()
+    autoragged.wrap(enc, db=False, policy=policy)
+    x, mask = batch(LENGTHS, 64, "cpu")
+    runtime = enc._autoragged
+    assert runtime.sig_key.endswith("float32")
+    for dtype in (torch.float64, torch.float32):
+        enc.to(dtype)
+        with torch.no_grad():
+            y = enc(x.to(dtype), src_key_padding_mask=mask)
+            want = nn.TransformerEncoder.forward(enc, x.to(dtype), src_key_padding_mask=mask)
+            want64 = nn.TransformerEncoder.forward(copy.deepcopy(enc).double(), x.double(), src_key_padding_mask=mask)
+        decision = autoragged.recent_decisions(enc, 1)[0]
+        assert enc._autoragged is not runtime and enc._autoragged.sig_key.endswith(str(dtype)[6:])
+        dtype_reason = "parameters of dtype torch.float64 (supported: float16, bfloat16, float32)"
+        if dtype == torch.float64:
+            assert decision.arm == "padded" and decision.reason.endswith(dtype_reason), decision.reason
+        else:
+            assert "dtype" not in decision.reason, decision.reason
+            assert decision.arm == "ragged" or policy == "auto"  # (auto: the prior's pick on a CPU)
+        assert_within_torch_error(real_tokens(y, LENGTHS), real_tokens(want, LENGTHS), real_tokens(want64, LENGTHS),
+                                  str(dtype))  # fmt: skip
+        runtime = enc._autoragged
+    assert len(autoragged.recent_decisions(enc, 10)) == 2  # the history kept
+
+
 # -- bad input: a clear error or a correct result, never a silently wrong one ---------------------------
 @pytest.mark.parametrize("policy", ["padded", "ragged", "auto"])
 def test_lengths_with_a_left_padded_mask_are_an_error(policy):

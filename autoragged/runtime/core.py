@@ -133,6 +133,7 @@ class Runtime:
         self.body = body = adapter.bind(module)
         self.static_reason, self.sig, self.sig_key = body.static_reason, body.sig, body.sig.key
         self._bound_epoch = param_epoch()  # the structure the body was bound to: a change re-binds (`ready`)
+        self._bound_dtype = body.probe().dtype  # and the parameters' dtype (`.half()` re-registers nothing)
         self._probe, self._probe_epoch, self._params, self._params_epoch = None, -1, [], -1
         self.ring: deque[Record] = deque(maxlen=_RING)
         self.planners: dict[torch.device, Planner] = {}
@@ -166,10 +167,11 @@ class Runtime:
 
     def ready(self, module) -> Runtime:
         """The runtime to run `module`'s next call: this one, or a fresh one bound to its new structure (a layer
-        replaced, added or removed; a norm swapped), which keeps the decision history."""
-        if self._bound_epoch == param_epoch() and not self.body.layers_moved(module):
+        replaced, added or removed; a norm swapped) or dtype (what the kernels take, the signature and the cost
+        model depend on it), which keeps the decision history."""
+        if self._bound_epoch == param_epoch() and not self.body.layers_moved(module) and not self._recast():
             return self
-        if self.body is not None and not self.body.restructured(module):
+        if self.body is not None and not self.body.restructured(module) and not self._recast():
             self._bound_epoch = param_epoch()
             return self
         self.harvest(wait=True)
@@ -177,8 +179,13 @@ class Runtime:
         fresh.ring, fresh.recording = self.ring, self.recording
         module._autoragged = fresh
         if self.body is not None:  # (a copy binds its body here for the first time)
-            log.info("autoragged: %s changed structure; bound anew (%s)", type(module).__name__, fresh.sig_key)
+            log.info("autoragged: %s changed structure or dtype; bound anew (%s)", type(module).__name__,
+                     fresh.sig_key)  # fmt: skip
         return fresh
+
+    def _recast(self) -> bool:
+        """Whether the parameters were cast to another dtype since the body was bound."""
+        return self.probe().dtype != self._bound_dtype
 
     @contextlib.contextmanager
     def forcing(self, policy: str):
