@@ -242,7 +242,7 @@ def bench_linear(tokens: int, name: str, n: int, k: int, quick: bool) -> dict:
     b = torch.randn(n, device=dev, dtype=torch.float16)
     flops = 2 * tokens * n * k
     cublas = graph_ms(lambda: F.linear(x, w, b))
-    default = k_lin.default_config(n, k, tokens, k_lin.sm_count(dev))
+    default = k_lin.default_config(n, k, tokens)
     configs = {c.short(): c for c in [*linear_configs(quick), default]}
     ours = {key: graph_ms(lambda c=c: k_lin.ragged_linear(x, w, b, None, c)) for key, c in configs.items()}
     best = min(ours, key=ours.get)

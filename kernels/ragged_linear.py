@@ -193,8 +193,8 @@ def _linear_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        if ACTIVATION == 2 and BLOCK_N >= 128:  # gelu's epilogue in halves, fewer live registers: 30 us against 41
-            half: tl.constexpr = BLOCK_N // 2  # (MiniLM's ff1, 5,681 rows, 64 x 128 tiles, H200; `_store_width`)
+        if BLOCK_N >= 128:  # the epilogue and store in halves, fewer live registers and a smaller staging tile: a
+            half: tl.constexpr = BLOCK_N // 2  # bert-base layer's linears, 11,560 rows, 128 x 128: 324 us against 380
             a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1)))
             a0 = _bias_activation(a0, Bias, off_n + tl.arange(0, half), N, HAS_BIAS, ACTIVATION)
             y_desc.store([off_m, off_n], a0.to(y_desc.dtype))
@@ -230,38 +230,30 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
     return smem <= 200 * 1024
 
 
-# The default tiles by rows, each within 0-15% of the best of 8 tilings: the TMA kernel in a CUDA graph with `live`
-# rows on an H100, on the CoRa 512/2048 and BERT-base 768/3072 linears at 400-16384 rows
-# (benchmarks/diagnostics/linear_tiles.py):
-#   rows <= 1024: m64n64k128w4s3; rows <= 4096: m64n128k64w4s4;
-#   more rows: m128n256k64w8s3, one program per SM, where real rows and columns fill at least 3/4 of the waves
-#   its tiles take, else the mid tiles (N = 512 at 9000 rows is 142 large tiles on 132 SMs, 2 waves, 53% filled:
-#   the mid tiles 1.2x faster there; N = 384, the MiniLM shape's, fills at most 3/4 of its 256-wide tiles).
-# Against cuBLAS the defaults take 1.03-1.66x its time at 1600-9000 rows: the eager arm keeps cuBLAS linears.
-_SMALL_ROWS, _MID_ROWS = 1024, 4096
+# The default tiles by rows: the TMA kernel in a CUDA graph with `live` rows on an H100, bert-base's, MiniLM's and
+# CoRa's four linears at 400-23,302 rows (benchmarks/diagnostics/linear_tiles.py). Up to 1,024 rows the small tiles
+# (most programs; the mid ones are as fast there), up to 3,072 the mid ones (at 2,811 rows 3-10% faster than the
+# large), then 128 x 128 with the halved store (above): from 4,000 rows on 2-20% faster than the 128 x 256 tiles
+# kept before, free of their wave quantization on narrow weights, and 0.91-1.17x cuBLAS's time for a layer's four.
+_SMALL_ROWS, _MID_ROWS = 1024, 3072
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
-_LARGE = KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-_LARGE_FILL = 0.75  # the share of the large tiles' waves real rows and columns fill below which the mid tiles win
+_LARGE = KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def default_config(n: int, k: int, rows: int, sms: int = 132) -> KernelConfig:
-    """The untuned tiles for an (N, K) weight on `rows` rows of a GPU with `sms` SMs. Bucketed by rows,
-    never keyed on them, so a new batch size never needs a new kernel. K does not change the pick: with the
-    TMA kernel the same tiles led for deep (ff2) and shallow weights alike."""
+def default_config(n: int, k: int, rows: int) -> KernelConfig:
+    """The untuned tiles for an (N, K) weight on `rows` rows. Bucketed by rows, never keyed on them, so a new batch
+    size never needs a new kernel. N and K do not change the pick: the same tiles led for deep (ff2), wide (ff1)
+    and square weights alike."""
     if rows <= _SMALL_ROWS:
         return _SMALL
-    if rows <= _MID_ROWS:
-        return _MID
-    bm, bn = _LARGE.block_m, _LARGE.block_n
-    waves = -(-(-(-rows // bm) * -(-n // bn)) // sms)
-    return _LARGE if rows * n >= _LARGE_FILL * waves * sms * bm * bn else _MID
+    return _MID if rows <= _MID_ROWS else _LARGE
 
 
 def fit_shared_memory(config: KernelConfig, element_size: int, limit: int = 227 * 1024) -> KernelConfig:
     """`config` with fewer stages, then a shorter K tile, until its pipeline buffers and the TMA store's
     staging tile fit in `limit` bytes of shared memory (an H100 block may use 227 KB): the tiles are picked
-    for 2-byte elements (m128n256k64s3 needs 208 KB), and fp32 doubles that."""
+    for 2-byte elements (m128n128k64s3 needs 128 KB), and fp32 doubles that."""
 
     def need(c: KernelConfig) -> int:
         return (c.num_stages * (c.block_m + c.block_n) * c.block_k + c.block_m * c.block_n) * element_size
@@ -331,9 +323,9 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _store_width(block_n: int, activation_code: int) -> int:
-    """The TMA kernel's output block width: gelu's epilogue stores tiles 128 wide and up in two halves."""
-    return block_n // 2 if activation_code == _ACT_CODE["gelu"] and block_n >= 128 else block_n
+def _store_width(block_n: int) -> int:
+    """The TMA kernel's output block width: tiles 128 wide and up are stored in two halves."""
+    return block_n // 2 if block_n >= 128 else block_n
 
 
 def check_live(live: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -396,7 +388,7 @@ def ragged_linear(
         compile_sibling_tiles(x, weight, bias_arg, live_arg, N, K, flags, config)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-        y_desc = TensorDescriptor.from_tensor(out, [bm, _store_width(bn, flags["ACTIVATION"])])
+        y_desc = TensorDescriptor.from_tensor(out, [bm, _store_width(bn)])
         _linear_tma_kernel[(min(tiles, persistent_programs(x.device, config)),)](
             x_desc, w_desc, y_desc, bias_arg, live_arg, M, N, K, **flags, NUM_STAGES=config.num_stages,
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -442,7 +434,7 @@ def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: 
         bk = min(tiles.block_k, max(16, triton.next_power_of_2(K)))
         x_small = torch.empty((16, K), dtype=x.dtype, device=x.device)  # 16 rows: M is not specialized on
         out_small = torch.empty((16, N), dtype=x.dtype, device=x.device)
-        store = [tiles.block_m, _store_width(tiles.block_n, flags["ACTIVATION"])]
+        store = [tiles.block_m, _store_width(tiles.block_n)]
         descs = (TensorDescriptor.from_tensor(x_small, [tiles.block_m, bk]),
                  TensorDescriptor.from_tensor(weight, [tiles.block_n, bk]),
                  TensorDescriptor.from_tensor(out_small, store))  # fmt: skip

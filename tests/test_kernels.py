@@ -382,18 +382,13 @@ def test_linear_strided_input_and_cublas_backend(device):
 
 
 def test_linear_default_tiles_follow_the_rows():
-    """Few rows get small tiles, a few thousand the mid ones; more rows get the large tiles where real rows and
-    columns fill the waves of programs (one per SM) they take, and the mid ones where they do not."""
+    """Few rows get small tiles, a few thousand the mid ones, more the large ones, whatever the weight."""
     small, mid, large = k_lin._SMALL, k_lin._MID, k_lin._LARGE
     assert k_lin.default_config(512, 2048, 400) == small == k_lin.default_config(1536, 512, 1024)
-    assert k_lin.default_config(1536, 512, 2000) == mid == k_lin.default_config(512, 2048, 4096)
+    assert k_lin.default_config(1536, 512, 1025) == mid == k_lin.default_config(512, 2048, 3072)
+    for n, k in ((384, 1536), (512, 2048), (768, 3072), (3072, 768)):
+        assert k_lin.default_config(n, k, 3073) == large == k_lin.default_config(n, k, 40000)
     assert large.block_m * large.block_n > mid.block_m * mid.block_n > small.block_m * small.block_n
-    # 9000 rows: N = 512 gives 71 x 2 = 142 large tiles, 2 waves of 132 filled 53%; N = 1536 gives 426, 4 at 80%
-    assert k_lin.default_config(512, 2048, 9000) == mid and k_lin.default_config(1536, 512, 9000) == large
-    assert k_lin.default_config(512, 2048, 16384) == large  # 256 tiles, 2 waves filled 97%
-    assert k_lin.default_config(512, 2048, 16384, sms=200) == mid  # 2 waves of 200 filled 64%
-    # N = 384 fills 3/4 of its two 256-wide tiles: 256 tiles at 16384 rows, 2 waves but filled 73%
-    assert k_lin.default_config(384, 1536, 16384) == mid and k_lin.default_config(768, 3072, 16384) == large
     assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
 
 
@@ -413,20 +408,22 @@ def test_linear_tiles_fit_shared_memory():
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("rows", [400, 2000, 9000])
-def test_linear_default_tiles_are_right_on_awkward_shapes(device, rows):
+@pytest.mark.parametrize("activation", k_lin.ACTIVATIONS)
+def test_linear_default_tiles_are_right_on_awkward_shapes(device, rows, activation):
     """Each default tiling (picked for `rows`) on a shape that fills none of its tiles, with and without a
-    live count: within PyTorch's own error of the float64 reference."""
-    M, N, K = 70, 40, 136  # K > N: the deep-reduction tiles on few rows
+    live count: within PyTorch's own error of the float64 reference. N = 104 ends in the second half of a
+    128-wide tile, which the TMA kernel stores apart."""
+    M, N, K = 70, 104, 136  # K > N: the deep-reduction tiles on few rows; rows of 16 bytes, as TMA needs
     config = k_lin.default_config(N, K, rows)
     x = torch.randn(M, K, dtype=torch.float64).to(torch.float16).to(device)
     w = (torch.randn(N, K, dtype=torch.float64) / K**0.5).to(torch.float16).to(device)
     b = torch.randn(N, dtype=torch.float64).to(torch.float16).to(device)
-    ref64 = k_lin.ragged_linear_ref(x.double(), w.double(), b.double(), "relu")
-    same = k_lin.ragged_linear_ref(x, w, b, "relu")
-    y = k_lin.ragged_linear(x, w, b, "relu", config)
-    assert_within_torch_error(y, same, ref64, f"linear default tiles {config.short()}")
+    ref64 = k_lin.ragged_linear_ref(x.double(), w.double(), b.double(), activation)
+    same = k_lin.ragged_linear_ref(x, w, b, activation)
+    y = k_lin.ragged_linear(x, w, b, activation, config)
+    assert_within_torch_error(y, same, ref64, f"linear default tiles {config.short()} {activation}")
     live = torch.tensor([53], dtype=torch.int32, device=device)
-    y_live = k_lin.ragged_linear(x, w, b, "relu", config, live=live)
+    y_live = k_lin.ragged_linear(x, w, b, activation, config, live=live)
     assert torch.equal(y_live[:53], y[:53])
 
 

@@ -9,7 +9,7 @@ descriptors, the default on Hopper) and "ptr" (the pointer kernel, the fallback)
 same way on exactly the real rows (the best it could do), with its activation (relu in cuBLASLt's epilogue, gelu
 as F.gelu after it, as torch.compile's and the eager arm's products run).
 
-    python benchmarks/diagnostics/linear_tiles.py                 # CoRa and BERT-base shapes, 400..16384 rows
+    python benchmarks/diagnostics/linear_tiles.py                 # CoRa, BERT-base, MiniLM shapes, 400..23302 rows
     python benchmarks/diagnostics/linear_tiles.py --rows 512 2048 --shapes qkv ff2
 
 Prints the best config per (shape, rows). The table
@@ -31,14 +31,15 @@ from autoragged.kernels.config import KernelConfig  # noqa: E402
 
 from benchmarks._common import geomean, header, require_cuda, table  # noqa: E402
 
-# (name, N, K, activation): the CoRa encoder's four linears (d 512, ff 2048, relu) and BERT-base's (768, 3072, gelu:
-# its epilogue, not the products, was most of the gap to cuBLAS + F.gelu on ff1 until it was rewritten)
+# (name, N, K, activation): the four linears of the CoRa encoder (d 512, ff 2048, relu), BERT-base (768, 3072, gelu)
+# and the MiniLM shape (384, 1536, gelu)
 SHAPES = {
     "qkv": (1536, 512, None), "out": (512, 512, None), "ff1": (2048, 512, "relu"), "ff2": (512, 2048, None),
     "bert_qkv": (2304, 768, None), "bert_out": (768, 768, None), "bert_ff1": (3072, 768, "gelu"),
-    "bert_ff2": (768, 3072, None),
+    "bert_ff2": (768, 3072, None), "minilm_qkv": (1152, 384, None), "minilm_out": (384, 384, None),
+    "minilm_ff1": (1536, 384, "gelu"), "minilm_ff2": (384, 1536, None),
 }  # fmt: skip
-ROWS = [400, 900, 1600, 2900, 5700, 9000, 16384]
+ROWS = [400, 1000, 2000, 2811, 4000, 5511, 7472, 11560, 23302]
 TILES = [  # (block_m, block_n, block_k, warps, stages)
     (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
@@ -87,7 +88,7 @@ def bench(shape: str, rows: int) -> dict:
     row["cublas_ms"] = graph_ms(lambda: k_lin.cublas_linear(real, w, b, act))
     configs = {f"m{bm}n{bn}k{bk}w{wp}s{st}": KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
                                                            num_stages=st) for bm, bn, bk, wp, st in TILES}  # fmt: skip
-    configs["default"] = k_lin.default_config(n, k, rows, k_lin.sm_count(dev))
+    configs["default"] = k_lin.default_config(n, k, rows)
     for kernel, tma in KERNELS.items():
         ours = {}
         for name, c in configs.items():
