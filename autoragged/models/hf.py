@@ -54,22 +54,22 @@ def _original(module) -> str:
     return _SWITCHED.get(id(getattr(module, "config", None)), "sdpa")
 
 
-# over 8 parameters: transformers' attention interface (ALL_ATTENTION_FUNCTIONS) dictates this signature
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function convention: q (1, H, rows, Dh), k/v (1, Hkv, rows, Dh) -> (out
-    (1, rows, H, Dh), None). Outside a ragged arm: the implementation the module's config had."""
+    (1, rows, H, Dh), None); `sliding_window` comes among the kwargs. Outside a ragged arm: the implementation the
+    module's config had."""
     active = _ACTIVE.get()
     if active is None:
         impl = _original(module)
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
-        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                  sliding_window=sliding_window, **kwargs)  # fmt: skip
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layout, config, sink = active
     if sink is not None:
         sink(module, key, value)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (rows, heads, Dh) views, no copies
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+    sliding_window = kwargs.get("sliding_window")
     left = -1 if sliding_window is None else sliding_window - 1
     window = (left, 0 if causal else left)
     # (HF passes the module's dropout probability in training, 0 in eval)
