@@ -9,8 +9,9 @@ Two kernels compute it. On Hopper (and in the interpreter) tiles move through TM
 a persistent grid walks them in one flattened loop, so the loads of a program's next tile overlap the
 epilogue of its last (`_linear_tma_kernel`). Elsewhere, for tensors TMA cannot address (16-byte aligned
 base and row strides), and under torch.compile, the pointer kernel runs (`_linear_kernel`). In a CUDA
-graph with live rows on an H100 the TMA kernel's default tiles reach geomean 0.84x cuBLAS's rate, the pointer
-kernel's 0.70x (benchmarks/diagnostics/linear_tiles.py).
+graph with live rows on an H100 the TMA kernel's default tiles reach 0.68-1.19x cuBLAS's rate (geomean 0.87), the
+pointer kernel's geomean 0.67x (bert-base's four linears and MiniLM's ff2 at 2,811-11,560 rows,
+benchmarks/diagnostics/linear_tiles.py).
 
 Shape contracts
     x:       (T, K), stride 1 on K
