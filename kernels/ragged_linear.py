@@ -233,9 +233,10 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
 
 # The default tiles by rows: the TMA kernel in a CUDA graph with `live` rows on an H100, bert-base's, MiniLM's and
 # CoRa's four linears at 400-23,302 rows (benchmarks/diagnostics/linear_tiles.py). Up to 1,024 rows the small tiles
-# (most programs; the mid ones are as fast there), up to 3,072 the mid ones (at 2,811 rows 3-10% faster than the
-# large), then 128 x 128 with the halved store (above): from 4,000 rows on 2-20% faster than the 128 x 256 tiles
-# kept before, free of their wave quantization on narrow weights, and 0.91-1.17x cuBLAS's time for a layer's four.
+# (most programs; the mid ones are as fast there), up to 3,072 the mid ones (at 2,811 rows 6-10% faster than the
+# large on bert-base and CoRa, 2% slower on MiniLM), then 128 x 128 with the halved store (above): from 4,000 rows
+# on 1-20% faster than the 128 x 256 tiles kept before, free of their wave quantization on narrow weights, and
+# 0.91-1.17x cuBLAS's time for a layer's four.
 _SMALL_ROWS, _MID_ROWS = 1024, 3072
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)

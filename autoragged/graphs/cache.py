@@ -12,10 +12,9 @@ much in captures as it saved). The layers and the BERT family's embedding step s
 width costs little (bert-base MNLI B=128: 3.02 ms a replay on a graph 512 wide, 2.96 at its own width 128; H200). A
 graph keeps the Triton tiles of the rows it was captured for (bert-base MNLI B=64: 1.75 ms a replay with the 128 x 256
 tiles then picked for 22,000 rows, RACE B=64's, 1.33 with its own; since, every count past 3,072 rows takes the same
-tiles). Neither a wider graph standing in
-while a batch's own is captured (its captures landed in the traffic instead of beside an eager batch) nor graphs
-keyed by tile class (an unread batch takes its shape's stale stats, and ran eagerly when the class switched) paid:
-A/Bs on the serving protocol, benchmarks/hf_table.py.
+tiles). Neither a wider graph standing in while a batch's own is captured (its captures landed in the traffic instead
+of beside an eager batch) nor graphs keyed by tile class (an unread batch takes its shape's stale stats, and ran
+eagerly when the class switched) paid: A/Bs on the serving protocol, benchmarks/hf_table.py.
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
