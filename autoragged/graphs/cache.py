@@ -6,15 +6,12 @@ worker (graphs/worker.py) and returns at once; `record_ready`, which the runtime
 queued, records the graphs whose warm-up is done, on the caller's thread (a capture forbids device-wide syncs in
 every thread). `capture_now` does both on the caller's thread (the tuner, forced benchmark arms).
 
-A batch replays the kept graph of its key, or one of the same batch size, inputs and causality up to four times as
-wide, the narrowest first: each width a stream meets unserved is a capture (serving up to 2x, the first pass paid as
-much in captures as it saved). The layers and the BERT family's embedding step stop at the counted rows, so spare
-width costs little (bert-base MNLI B=128: 3.02 ms a replay on a graph 512 wide, 2.96 at its own width 128; H200). A
-graph keeps the Triton tiles of the rows it was captured for (bert-base MNLI B=64: 1.75 ms a replay with the 128 x 256
-tiles then picked for 22,000 rows, RACE B=64's, 1.33 with its own; since, every count past 3,072 rows takes the same
-tiles). Neither a wider graph standing in while a batch's own is captured (its captures landed in the traffic instead
-of beside an eager batch) nor graphs keyed by tile class (an unread batch takes its shape's stale stats, and ran
-eagerly when the class switched) paid: A/Bs on the serving protocol, benchmarks/hf_table.py.
+A batch replays the kept graph of its key, or the narrowest one of the same batch size, inputs and causality up to
+four times as wide: the layers and the BERT family's embedding step stop at the counted rows, so spare width costs
+little (bert-base MNLI B=128: 3.02 ms a replay on a graph 512 wide, 2.96 at its own width 128; H200), and each width a
+stream meets unserved is a capture. A graph keeps the Triton tiles of the rows it was captured for, so every count past
+3,072 rows takes the same tiles (kernels/ragged_linear.py). Wider graphs standing in while a batch's own is captured,
+and graphs keyed by tile class, did not pay (benchmarks/RESULTS.md).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
