@@ -237,7 +237,7 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
 # large on bert-base and CoRa, 2% slower on MiniLM), then 128 x 128 with the halved store (above): from 4,000 rows
 # on 1-20% faster than the 128 x 256 tiles kept before, free of their wave quantization on narrow weights, and
 # 0.91-1.17x cuBLAS's time for a layer's four. One class past 3,072 rows: a graph keeps its tiles for the narrower
-# batches it serves (128 x 256 past 16,384 rows made bert-base's rows of 5,500-7,500 tokens 5-12% slower end to end).
+# batches it serves (128 x 256 past 16,384 rows made bert-base's rows of 5,500-9,000 tokens 5-14% slower end to end).
 _SMALL_ROWS, _MID_ROWS = 1024, 3072
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
