@@ -1,5 +1,5 @@
 """What spare width costs a mask graph: one batch of each row replayed on graphs of its own width rung and of 2x,
-4x and 512, ms a replay, and the kernels' GPU time a replay (torch.profiler) on the narrowest and the widest, the
+4x, 8x and 512, ms a replay, and the kernels' GPU time a replay (torch.profiler) on the narrowest and the widest, the
 kernels whose time grows most first (a diagnostic beside benchmarks/hf_table.py; prints only).
 
     python benchmarks/diagnostics/graph_width.py --models bert-base minilm
@@ -26,7 +26,7 @@ import autoragged  # noqa: E402
 from autoragged.planning.buckets import mask_width  # noqa: E402
 from autoragged.runtime.policy import ShapeKey  # noqa: E402
 
-ROWS = (("Wiki128", 128), ("MNLI", 64), ("CoLA", 32), ("MNLI", 128))
+ROWS = (("Wiki128", 128), ("MNLI", 64), ("CoLA", 32), ("CoLA", 128), ("MNLI", 128))
 
 
 def replay_ms(run, reps: int = 50, rounds: int = 3) -> float:
@@ -81,13 +81,13 @@ def main(argv=None) -> int:
             call = module.forward.call_type(rt.body, module, kwargs, None)
             L = batch.ids.shape[1]
             own = mask_width(L)
-            widths = sorted({w for w in (own, 2 * own, 4 * own, 512) if own <= w <= 512})
+            widths = sorted({w for w in (own, 2 * own, 4 * own, 8 * own, 512) if own <= w <= 512})
             kernels = {}
             with torch.inference_mode():
                 base = rt._graph_key(call, ShapeKey(B, own, True))
                 for width in widths:
                     key = base._replace(width=width)
-                    make, nbytes = rt._graph_make(module, key, sum(batch.lengths))
+                    make, nbytes = rt._graph_make(module, key)
                     graph = rt.graph_cache().capture_now(key, make, device, nbytes)
                     run = lambda rt=rt, call=call, graph=graph: rt._replay(call, graph, None)  # noqa: E731
                     ms = replay_ms(run)
