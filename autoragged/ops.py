@@ -125,24 +125,26 @@ def linear_values(
     config: KernelConfig | None = None,
     *,
     live: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N). `live`, a device tensor whose first
     element counts the rows needed, lets the Triton kernel skip the rest (their output is unspecified);
-    cuBLAS and the references compute every row. Without a `config`, the Triton tiles are
-    `kernels.ragged_linear.default_config`'s for the rows computed: with `live`, picked on the device. Under
-    autograd or autocast: F.linear (cuBLAS, differentiable, cast as autocast casts) and PyTorch's activation."""
+    cuBLAS and the references compute every row. Without a `config`, the Triton tiles are picked for
+    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`. Under autograd or autocast: F.linear
+    (cuBLAS, differentiable, cast as autocast casts) and PyTorch's activation."""
     if torch.is_autocast_enabled(x.device.type):  # (x may be of autocast's dtype and the weight not)
         k_lin.check_inputs(x, weight, bias, activation, same_dtype=False)
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
     k_lin.check_inputs(x, weight, bias, activation)
     if _recording(x, weight, bias):
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
-    if config is not None and config.backend == "cublas":
+    config = config or k_lin.default_config(weight.shape[0], weight.shape[1], rows or x.shape[0])
+    if config.backend == "cublas":
         return k_lin.cublas_linear(x, weight, bias, activation)
     if not use_triton(x):
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
     if _compiling(x):
-        c = config or k_lin.default_config(weight.shape[0], weight.shape[1], x.shape[0])
+        c = config
         return torch.ops.autoragged.ragged_linear(
             x,
             weight,

@@ -166,17 +166,20 @@ def _linear_kernel(
                      HAS_BIAS, ACTIVATION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)  # fmt: skip
 
 
-@triton.jit
-def _tma_tiles(
-    x_desc, w_desc, y_desc, Bias, rows, N, K,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])  # as _linear_kernel
+def _linear_tma_kernel(
+    x_desc, w_desc, y_desc, Bias, Live, M, N, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """A persistent grid over the output tiles of the first `rows` rows, one flattened loop over (tile, k): TMA
-    loads of the next tile start while this one's epilogue runs. Loads past the descriptors' rows or K read zeros
-    and stores past them are dropped, by the descriptors' bounds: no masks."""
+    """A persistent grid over the output tiles of the first min(*Live, M) rows (all M without Live), one
+    flattened loop over (tile, k): TMA loads of the next tile start while this one's epilogue runs. Loads
+    past M or K read zeros and stores past M or N are dropped, by the descriptors' bounds: no masks."""
     num_n = tl.cdiv(N, BLOCK_N)
+    rows = M
+    if HAS_LIVE:
+        rows = tl.minimum(tl.load(Live), M)
     num_m = tl.cdiv(rows, BLOCK_M)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
@@ -201,42 +204,6 @@ def _tma_tiles(
         else:
             acc = _bias_activation(acc, Bias, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACTIVATION)
             y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
-
-
-@triton.jit(do_not_specialize=["M"])  # as _linear_kernel
-def _linear_tma_kernel(
-    x_desc, w_desc, y_desc, Bias, Live, M, N, K,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """The tiles of the first min(*Live, M) rows (all M without Live), of one size."""
-    rows = M
-    if HAS_LIVE:
-        rows = tl.minimum(tl.load(Live), M)
-    _tma_tiles(x_desc, w_desc, y_desc, Bias, rows, N, K, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-               NUM_STAGES, PRECISION, UPCAST)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["M"])  # as _linear_kernel
-def _linear_tma_by_rows_kernel(
-    xs, ws, ys, xm, wm, ym, xl, wl, yl, Bias, Live, M, N, K,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SMALL_ROWS: tl.constexpr, MID_ROWS: tl.constexpr,
-    SM: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, SS: tl.constexpr,
-    MM: tl.constexpr, MN: tl.constexpr, MK: tl.constexpr, MS: tl.constexpr,
-    LM: tl.constexpr, LN: tl.constexpr, LK: tl.constexpr, LS: tl.constexpr,
-):  # fmt: skip
-    """The tiles of the first min(*Live, M) rows, their size picked here by that count as `default_config` picks
-    on the host: small (xs, ws, ys descriptors; SM x SN x SK, SS stages), mid or large. A CUDA graph serves
-    batches of any rows up to its capacity, so only the device knows which tiles fit."""
-    rows = tl.minimum(tl.load(Live), M)
-    if rows <= SMALL_ROWS:
-        _tma_tiles(xs, ws, ys, Bias, rows, N, K, HAS_BIAS, ACTIVATION, SM, SN, SK, GROUP_M, SS, PRECISION, UPCAST)
-    elif rows <= MID_ROWS:
-        _tma_tiles(xm, wm, ym, Bias, rows, N, K, HAS_BIAS, ACTIVATION, MM, MN, MK, GROUP_M, MS, PRECISION, UPCAST)
-    else:
-        _tma_tiles(xl, wl, yl, Bias, rows, N, K, HAS_BIAS, ACTIVATION, LM, LN, LK, GROUP_M, LS, PRECISION, UPCAST)
 
 
 # -- config space -------------------------------------------------------------------------------
@@ -379,21 +346,19 @@ def ragged_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
-    config: KernelConfig | None = DEFAULT_CONFIG,
+    config: KernelConfig = DEFAULT_CONFIG,
     wrap=None,
     live: torch.Tensor | None = None,
     tma: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) on every row of `x` (only rows < live[0] with `live`, see the module
-    docstring), written to `out` (T, N) contiguous, or a new tensor. `config` None: `default_config`'s tiles
-    for the rows computed, picked on the device from live[0] where the TMA kernel runs with `live` (a CUDA graph
-    serves batches of many row counts), else for x's rows. `tma`: None picks the TMA kernel wherever it can
-    run (never under `wrap`, torch.compile's path), False the pointer kernel; True insists (ValueError if it
-    cannot)."""
+    docstring), written to `out` (T, N) contiguous, or a new tensor. `tma`: None picks the TMA kernel
+    wherever it can run (never under `wrap`, torch.compile's path), False the pointer kernel; True insists
+    (ValueError if it cannot)."""
     check_inputs(x, weight, bias, activation)
     check_live(live, x)
-    if config is not None and config.backend == "cublas":
+    if config.backend == "cublas":
         return cublas_linear(x, weight, bias, activation)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -410,12 +375,7 @@ def ragged_linear(
         return out
     if K == 0:
         return out.copy_(ragged_linear_ref(x, weight, bias, activation))
-    usable = wrap is None and tma_usable(x, weight, out)
-    if tma and not usable:
-        raise ValueError("tma=True, but TMA cannot address these tensors here (needs sm90+ and 16-byte alignment)")
-    if config is None and live is not None and usable and tma is not False:
-        return _by_rows(x, weight, bias, activation, live, out)
-    config = fit_shared_memory(config or default_config(N, K, M), x.element_size())
+    config = fit_shared_memory(config, x.element_size())
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, triton.next_power_of_2(K)))
     precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
@@ -424,6 +384,9 @@ def ragged_linear(
                  UPCAST=dot_upcast(str(x.dtype)[6:]))  # fmt: skip
     bias_arg, live_arg = bias if bias is not None else x, live if live is not None else x
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    usable = wrap is None and tma_usable(x, weight, out)
+    if tma and not usable:
+        raise ValueError("tma=True, but TMA cannot address these tensors here (needs sm90+ and 16-byte alignment)")
     if usable and tma is not False:
         compile_sibling_tiles(x, weight, bias_arg, live_arg, N, K, flags, config)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
@@ -438,31 +401,6 @@ def ragged_linear(
     (wrap or _identity)(_linear_kernel)[grid](
         x, weight, bias_arg, out, live_arg, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         **flags, EVEN_K=K % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return out
-
-
-BY_ROWS_WARPS = 4  # one launch has one warp count: 128 x 128 tiles ran as fast on 4 as on 8 (linear_tiles.py)
-
-
-def _by_rows(x, weight, bias, activation, live, out) -> torch.Tensor:
-    """The TMA kernel with the tiles picked on the device (`_linear_tma_by_rows_kernel`): one descriptor triple per
-    row bucket of `default_config`."""
-    (M, K), N = x.shape, weight.shape[0]
-    descs, tiles = [], {}
-    for name, t in zip("SML", (fit_shared_memory(t, x.element_size()) for t in _BUCKET_TILES)):
-        bk = min(t.block_k, max(16, triton.next_power_of_2(K)))
-        descs += [TensorDescriptor.from_tensor(x, [t.block_m, bk]),
-                  TensorDescriptor.from_tensor(weight, [t.block_n, bk]),
-                  TensorDescriptor.from_tensor(out, [t.block_m, _store_width(t.block_n)])]  # fmt: skip
-        tiles.update({f"{name}M": t.block_m, f"{name}N": t.block_n, f"{name}K": bk, f"{name}S": t.num_stages})
-    precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    programs = min(triton.cdiv(M, _SMALL.block_m) * triton.cdiv(N, _SMALL.block_n), persistent_programs(x.device))
-    _linear_tma_by_rows_kernel[(programs,)](
-        *descs, bias if bias is not None else x, live, M, N, K, HAS_BIAS=bias is not None,
-        ACTIVATION=_ACT_CODE[activation], GROUP_M=_LARGE.group_m, PRECISION=precision,
-        UPCAST=dot_upcast(str(x.dtype)[6:]), SMALL_ROWS=_SMALL_ROWS, MID_ROWS=_MID_ROWS, **tiles,
-        num_warps=BY_ROWS_WARPS, num_stages=_LARGE.num_stages,
     )  # fmt: skip
     return out
 

@@ -172,7 +172,7 @@ def test_a_warm_up_in_the_background_while_the_caller_keeps_the_gpu_busy_is_righ
     rt = enc._autoragged
     key = rt._graph_key(TorchCall(rt.body, x, None, mask, None, None), rt_shape(x, mask))
     cache = rt.graph_cache()
-    make, nbytes = rt._graph_make(enc, key)
+    make, nbytes = rt._graph_make(enc, key, sum(lengths))
     torch.cuda._sleep(int(3e8))  # the graph's buffers are zeroed behind this on the default stream, its warm-up not
     cache.request(key, make, x.device, nbytes)
     with torch.inference_mode():

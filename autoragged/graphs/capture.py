@@ -73,6 +73,7 @@ class _StaticLayout:
         self.offsets, self.lengths, self.grid_mapping, self.block_offsets = graph_layout.sections(meta, batch, programs)
         self.block_m, self.align, self.max_len = block_m, align, max_len
         self.live = self.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
+        self.tile_rows = None
         self.key_lengths = None  # "mask" with first_column: each row's keys (its rows past them are queries only)
 
     def device_meta(self, device):
@@ -183,9 +184,10 @@ class RaggedGraph:
     layers once on `stream` (compiles, handles, allocations: the slow part, which graphs/worker.py does on its own
     thread); `record` captures them (graphs/cache.py does it on the caller's thread, between batches). body: the
     wrapped module's `Body` (its `values`, `embed`, `d_model`, `batch_first`, `first_column`); config: the arm's
-    `KernelConfig` (Triton linears, whose tiles are picked on the device for the rows each batch fills)."""
+    `KernelConfig` (Triton linears); tile_rows: the rows its batches are expected to fill (the Triton linears pick
+    their tiles for them)."""
 
-    def __init__(self, body, module, key: GraphKey, config, dtype, device, stream):
+    def __init__(self, body, module, key: GraphKey, config, dtype, device, stream, tile_rows=None):
         if config.backend != "triton":
             raise ValueError(f"a ragged graph's linears must be Triton kernels (they stop at the live rows): {config}")
         self.key, self.config, self.dtype, self.device = key, config, dtype, device
@@ -202,6 +204,7 @@ class RaggedGraph:
         mailbox = self.mailbox = _ArgsMailbox(n_args, device)
         args = mailbox.args
         layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, width)
+        layout.tile_rows = tile_rows
         if first:
             layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
         values_fn, block_m, align = body.values, config.block_m, config.align

@@ -147,6 +147,7 @@ class _StaticLayout:
     align = 1
     key_lengths = None
     live = None
+    tile_rows = None
 
     def __init__(self, meta: torch.Tensor, key: TrainGraphKey, block_sizes: tuple[int, ...]):
         s, C = _sections(key, block_sizes), key.components

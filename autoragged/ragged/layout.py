@@ -111,6 +111,9 @@ class Layout:
     # The rows a batch fills, as a (1,) device tensor, where only the device knows them: a CUDA graph's
     # layout built in the graph (autoragged/graphs/capture.py). Row-wise kernels stop there. A host layout: None.
     live = None
+    # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a graph's values
+    # have room for every row at full width, and a batch fills a fraction. None: x's rows.
+    tile_rows = None
 
     def __init__(self, lengths: tuple[int, ...], align: int, offsets: tuple[int, ...], rows: int, canonical: bool):
         self.lengths = lengths

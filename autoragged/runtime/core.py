@@ -272,7 +272,7 @@ class Runtime:
         choice = policy.choose(shape, predicted, ready, self.sample_every, scales)
         why = f"{choice.why}: {predictions.note}" if choice.why == "predicted" else choice.why
         if choice.want == "ragged_graph":
-            self._request_graph(module, gkey, call)
+            self._request_graph(module, gkey, stats, call)
             why += f"; {CAPTURING}"
         elif unavailable is not None:
             why += f"; {NO_GRAPH}: {unavailable}"
@@ -408,17 +408,17 @@ class Runtime:
             self.graphs = GraphCache(cap=self.options.graph_cap)
         return self.graphs
 
-    def _graph_make(self, module, gkey: GraphKey):
+    def _graph_make(self, module, gkey: GraphKey, tile_rows: int | None):
         """(make(pool, stream) -> the graph of `gkey`, its estimated bytes)."""
         body, p = self.body, self.probe()
         config = graph_config(body.head_dim, gkey.width).replace(align=gkey.align)
 
         def make(pool, stream):  # the pool is the capture's (`RaggedGraph.record`), not the warm-up's
-            return RaggedGraph(body, module, gkey, config, p.dtype, p.device, stream)
+            return RaggedGraph(body, module, gkey, config, p.dtype, p.device, stream, tile_rows)
 
         return make, _graph_bytes(self.sig, gkey, p.element_size())
 
-    def _request_graph(self, module, gkey: GraphKey, call) -> None:
+    def _request_graph(self, module, gkey: GraphKey, stats: BatchStats, call) -> None:
         """Ask for the graph of `gkey`, twice as wide (within the longest sequence the model takes): it also serves
         the wider batches that follow, where a graph of each width was a capture each (CoLA B=128's widths of
         26-33 tokens met two)."""
@@ -427,10 +427,10 @@ class Runtime:
         gkey = gkey._replace(width=max(width, gkey.width))
         if gkey in self.graphs.pending:  # (asked for already: each batch of the shape asks until it is there)
             return
-        make, nbytes = self._graph_make(module, gkey)
+        make, nbytes = self._graph_make(module, gkey, stats.total)
         self.graphs.request(gkey, make, call.device, nbytes)
 
-    def graph(self, module, call):
+    def graph(self, module, call, stats: BatchStats):
         """The graph that runs `call`, captured now on this thread where it is not kept (the tuner and the forced
         benchmark arms measure graphs this way), or None where no graph can run it."""
         gkey = self._graph_key(call, ShapeKey(call.B, mask_width(call.L), False))
@@ -438,7 +438,7 @@ class Runtime:
             return None
         cache = self.graph_cache()
         cache.check_params(self._parameters(module))
-        make, nbytes = self._graph_make(module, gkey)
+        make, nbytes = self._graph_make(module, gkey, stats.total)
         return cache.capture_now(gkey, make, call.device, nbytes)
 
     def _execute(self, module, call, arm: Arm, lens, stats: BatchStats, not_prefix, graph=None):
@@ -456,7 +456,7 @@ class Runtime:
         """`arm` on `call` as the runtime runs it, lengths known (the tuner and the benchmarks' forced arms; a graph
         arm's graph is captured now where it is not kept)."""
         if arm.kind == "ragged_graph":
-            graph = self.graph(module, call)
+            graph = self.graph(module, call, stats)
             if graph is None:
                 raise ValueError(f"no ragged graph can run this call ({call.eager_only or 'see Runtime._graph_key'})")
             return self._replay(call, graph, lens)[0]
