@@ -125,12 +125,11 @@ def mha_values(
     """Self-attention of `mha` on values x (rows, D) -> (rows, D)."""
     rows, D = x.shape
     H = mha.num_heads
-    lin, live, tiles, split = linear_config(config), layout.live, layout.tile_rows, layout.split
-    qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin, live=live, rows=tiles, split=split)
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
+    qkv = linear_values(x, mha.in_proj_weight, mha.in_proj_bias, None, lin, live=live, rows=tiles)
     q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     a = attention_values(q, k, v, layout, window=CAUSAL if causal else FULL, config=config)
-    out = mha.out_proj
-    return linear_values(a.view(rows, D), out.weight, out.bias, None, lin, live=live, rows=tiles, split=split)
+    return linear_values(a.view(rows, D), mha.out_proj.weight, mha.out_proj.bias, None, lin, live=live, rows=tiles)
 
 
 # -- modules ---------------------------------------------------------------------------------------

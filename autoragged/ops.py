@@ -126,14 +126,12 @@ def linear_values(
     *,
     live: torch.Tensor | None = None,
     rows: int | None = None,
-    split: k_lin.SplitScratch | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) over all rows of x (T, K) -> (T, N). `live`, a device tensor whose first
     element counts the rows needed, lets the Triton kernel skip the rest (their output is unspecified);
     cuBLAS and the references compute every row. Without a `config`, the Triton tiles are picked for
-    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`. `split`: the scratch with which the
-    TMA kernel splits a last wave's tiles along K (a CUDA graph's; one launch at a time). Under autograd or
-    autocast: F.linear (cuBLAS, differentiable, cast as autocast casts) and PyTorch's activation."""
+    `rows` (default: x's rows), see `kernels.ragged_linear.default_config`. Under autograd or autocast: F.linear
+    (cuBLAS, differentiable, cast as autocast casts) and PyTorch's activation."""
     if torch.is_autocast_enabled(x.device.type):  # (x may be of autocast's dtype and the weight not)
         k_lin.check_inputs(x, weight, bias, activation, same_dtype=False)
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
@@ -159,7 +157,7 @@ def linear_values(
             c.num_stages,
             c.group_m,
         )
-    return k_lin.ragged_linear(x, weight, bias, activation, config, live=live, split=split)
+    return k_lin.ragged_linear(x, weight, bias, activation, config, live=live)
 
 
 def bmm_values(

@@ -27,7 +27,6 @@ Shape contracts
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,6 @@ __all__ = [
     "tma_usable",
     "fit_shared_memory",
     "ragged_linear",
-    "SplitScratch",
     "ragged_linear_ref",
     "cublas_linear",
     "CONFIGS",
@@ -168,96 +166,44 @@ def _linear_kernel(
                      HAS_BIAS, ACTIVATION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)  # fmt: skip
 
 
-@triton.jit
-def _tma_store(y_desc, acc, Bias, off_m, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The epilogue (bias, activation) and the tile's store."""
-    if BLOCK_N >= 128:  # the epilogue and store in halves, fewer live registers and a smaller staging tile: a
-        half: tl.constexpr = BLOCK_N // 2  # bert-base layer's linears, 11,560 rows, 128 x 128: 324 us against 380
-        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1)))
-        a0 = _bias_activation(a0, Bias, off_n + tl.arange(0, half), N, HAS_BIAS, ACTIVATION)
-        y_desc.store([off_m, off_n], a0.to(y_desc.dtype))
-        a1 = _bias_activation(a1, Bias, off_n + half + tl.arange(0, half), N, HAS_BIAS, ACTIVATION)
-        y_desc.store([off_m, off_n + half], a1.to(y_desc.dtype))
-    else:
-        acc = _bias_activation(acc, Bias, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACTIVATION)
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
-
-
 @triton.jit(do_not_specialize=["M"])  # as _linear_kernel
 def _linear_tma_kernel(
-    x_desc, w_desc, y_desc, Bias, Live, Partials, Arrived, M, N, K,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr, SPLIT: tl.constexpr,
+    x_desc, w_desc, y_desc, Bias, Live, M, N, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """A persistent grid over the output tiles of the first min(*Live, M) rows (all M without Live), one
     flattened loop over (tile, k): TMA loads of the next tile start while this one's epilogue runs. Loads
-    past M or K read zeros and stores past M or N are dropped, by the descriptors' bounds: no masks.
-
-    SPLIT: the tiles that fill whole waves of programs run as above; the rest, fewer than the programs, are each
-    split along K into up to SPLIT parts (at least _MIN_K_TILES K tiles each, as many as the idle programs
-    allow). A part stores its fp32 products in `Partials` (a slot per program), counts itself in `Arrived` (one
-    int32 per split tile, zero between launches) and the last part to arrive sums the others', runs the
-    epilogue and zeroes the count. Where only the device knows the rows (a CUDA graph), the last wave's
-    emptiness changes every batch: bert-base's ff2 at 11,560 rows is 546 tiles of 128 x 128 on 264 programs,
-    three waves for 2.07 waves of work."""
+    past M or K read zeros and stores past M or N are dropped, by the descriptors' bounds: no masks."""
     num_n = tl.cdiv(N, BLOCK_N)
     rows = M
     if HAS_LIVE:
         rows = tl.minimum(tl.load(Live), M)
     num_m = tl.cdiv(rows, BLOCK_M)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    programs = tl.num_programs(0)
-    tiles = num_m * num_n
-    whole = tiles
-    parts = 1
-    if SPLIT > 1:
-        rest = tiles % programs
-        parts = tl.minimum(tl.minimum(programs // tl.maximum(rest, 1), k_tiles // _MIN_K_TILES), SPLIT)
-        if parts > 1:
-            whole = tiles - rest
-        else:
-            parts = 1
-    # one loop over the work (a split tile's part is a unit of its own), so one set of pipeline buffers
-    for unit in tl.range(tl.program_id(0), whole + (tiles - whole) * parts, programs, flatten=True):
-        tile = unit
-        k_lo = 0
-        k_hi = k_tiles
-        if SPLIT > 1:
-            if unit >= whole:
-                tile = whole + (unit - whole) // parts
-                part = (unit - whole) % parts
-                k_lo = part * k_tiles // parts
-                k_hi = (part + 1) * k_tiles // parts
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _grouped(tile, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in tl.range(k_lo, k_hi, num_stages=NUM_STAGES):
+        for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
             a = x_desc.load([off_m, ki * BLOCK_K])
             b = w_desc.load([off_n, ki * BLOCK_K])
             if UPCAST:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        done = True
-        if SPLIT > 1:
-            if unit >= whole:  # a part: the last of its tile's parts to arrive sums them and stores the tile
-                slot = unit - whole
-                cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                tl.store(Partials + slot * (BLOCK_M * BLOCK_N) + cell, acc)
-                tl.debug_barrier()  # every thread's products are stored before the count says so
-                count = Arrived + (tile - whole)
-                done = tl.atomic_add(count, 1, sem="acq_rel") == parts - 1
-                if done:
-                    first = (tile - whole) * parts
-                    for other in range(first, first + parts):
-                        if other != slot:  # (.cg: from L2, where the other programs' stores are)
-                            acc += tl.load(Partials + other * (BLOCK_M * BLOCK_N) + cell, cache_modifier=".cg")
-                    tl.store(count, 0)
-        if done:
-            _tma_store(y_desc, acc, Bias, off_m, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N)
+        if BLOCK_N >= 128:  # the epilogue and store in halves, fewer live registers and a smaller staging tile: a
+            half: tl.constexpr = BLOCK_N // 2  # bert-base layer's linears, 11,560 rows, 128 x 128: 324 us against 380
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1)))
+            a0 = _bias_activation(a0, Bias, off_n + tl.arange(0, half), N, HAS_BIAS, ACTIVATION)
+            y_desc.store([off_m, off_n], a0.to(y_desc.dtype))
+            a1 = _bias_activation(a1, Bias, off_n + half + tl.arange(0, half), N, HAS_BIAS, ACTIVATION)
+            y_desc.store([off_m, off_n + half], a1.to(y_desc.dtype))
+        else:
+            acc = _bias_activation(acc, Bias, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACTIVATION)
+            y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 # -- config space -------------------------------------------------------------------------------
@@ -385,32 +331,6 @@ def _store_width(block_n: int) -> int:
     return block_n // 2 if block_n >= 128 else block_n
 
 
-_MAX_SPLIT = 4  # parts a tile short of a whole wave is split into, at most
-_MIN_K_TILES = tl.constexpr(4)  # K tiles of a part, at least
-
-
-class SplitScratch(NamedTuple):
-    """What the TMA kernel's split tiles share (`ragged_linear`'s `split`): `partials`, fp32 room for one tile a
-    program; `arrived`, an int32 count per split tile, zero between launches (each launch leaves it so)."""
-
-    partials: torch.Tensor
-    arrived: torch.Tensor
-
-    @classmethod
-    def make(cls, device: torch.device) -> SplitScratch:
-        """Room for the largest tiles (128 x 128, or 128 x 256 at one program an SM) on every program."""
-        programs = persistent_programs(device)
-        return cls(torch.empty(programs * 128 * 128, dtype=torch.float32, device=device),
-                   torch.zeros(programs, dtype=torch.int32, device=device))  # fmt: skip
-
-    def check(self, programs: int, tile: int, device: torch.device) -> None:
-        if self.partials.numel() < programs * tile or self.arrived.numel() < programs or self.arrived.device != device:
-            raise ValueError(
-                f"split scratch of {self.partials.numel()} floats and {self.arrived.numel()} counts on "
-                f"{self.arrived.device} is short of {programs} programs of {tile}-element tiles on {device}"
-            )
-
-
 def check_live(live: torch.Tensor | None, x: torch.Tensor) -> None:
     if live is None:
         return
@@ -431,13 +351,11 @@ def ragged_linear(
     live: torch.Tensor | None = None,
     tma: bool | None = None,
     out: torch.Tensor | None = None,
-    split: SplitScratch | None = None,
 ) -> torch.Tensor:
     """act(x @ weight.T + bias) on every row of `x` (only rows < live[0] with `live`, see the module
     docstring), written to `out` (T, N) contiguous, or a new tensor. `tma`: None picks the TMA kernel
     wherever it can run (never under `wrap`, torch.compile's path), False the pointer kernel; True insists
-    (ValueError if it cannot). `split`: the TMA kernel splits the tiles short of a whole wave along K
-    (`_linear_tma_kernel`) with this scratch; launches that share one must run one after another."""
+    (ValueError if it cannot)."""
     check_inputs(x, weight, bias, activation)
     check_live(live, x)
     if config.backend == "cublas":
@@ -470,20 +388,13 @@ def ragged_linear(
     if tma and not usable:
         raise ValueError("tma=True, but TMA cannot address these tensors here (needs sm90+ and 16-byte alignment)")
     if usable and tma is not False:
-        programs = persistent_programs(x.device, config)
-        if split is not None:
-            split.check(programs, bm * bn, x.device)
-        else:
-            programs = min(tiles, programs)
-        partials, arrived = split if split is not None else (x, x)
-        flags["SPLIT"] = _MAX_SPLIT if split is not None else 1
-        compile_sibling_tiles(x, weight, (bias_arg, live_arg, partials, arrived), N, K, flags, config)
+        compile_sibling_tiles(x, weight, bias_arg, live_arg, N, K, flags, config)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
         y_desc = TensorDescriptor.from_tensor(out, [bm, _store_width(bn)])
-        _linear_tma_kernel[(programs,)](
-            x_desc, w_desc, y_desc, bias_arg, live_arg, partials, arrived, M, N, K, **flags,
-            NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+        _linear_tma_kernel[(min(tiles, persistent_programs(x.device, config)),)](
+            x_desc, w_desc, y_desc, bias_arg, live_arg, M, N, K, **flags, NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
         return out
     grid = (tiles if live is None else min(tiles, persistent_programs(x.device)),)
@@ -503,7 +414,7 @@ def ragged_linear(
 # the caller's thread allocates, M not being specialized on); a launch that comes before its compile has finished
 # compiles it itself.
 _BUCKET_TILES = (_SMALL, _MID, _LARGE)
-_VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "SPLIT", "PRECISION", "UPCAST")  # the flags but tiles
+_VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 
 
 def _sibling_key(x, N: int, K: int, flags: dict) -> tuple:
@@ -518,8 +429,7 @@ def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]
     return sorted((t for t in tiles if t != config), key=lambda t: (t.block_m, t.block_n))
 
 
-def compile_sibling_tiles(x, weight, pointers: tuple, N: int, K: int, flags: dict, config: KernelConfig) -> None:
-    """`pointers`: the kernel's Bias, Live, Partials and Arrived arguments."""
+def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig) -> None:
     if not ahead.first_sight(("linear", *_sibling_key(x, N, K, flags)), x):
         return
     jobs = []
@@ -534,7 +444,7 @@ def compile_sibling_tiles(x, weight, pointers: tuple, N: int, K: int, flags: dic
         tile_flags = {**flags, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": bk,
                       "GROUP_M": tiles.group_m}  # fmt: skip
         jobs.append(functools.partial(
-            _linear_tma_kernel.warmup, *descs, *pointers, 16, N, K, **tile_flags,
+            _linear_tma_kernel.warmup, *descs, bias_arg, live_arg, 16, N, K, **tile_flags,
             NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,),
         ))  # fmt: skip
     ahead.submit(x.device, jobs, "linear tiles")

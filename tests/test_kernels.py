@@ -726,6 +726,6 @@ def test_sibling_tiles_are_the_other_row_buckets():
 
     before = set(ahead._seen)
     x = torch.randn(8, 32)
-    flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "SPLIT": 1, "PRECISION": "tf32", "UPCAST": False}
-    k_lin.compile_sibling_tiles(x, torch.randn(16, 32), (None,) * 4, 16, 32, flags, small)
+    flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "PRECISION": "tf32", "UPCAST": False}
+    k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, flags, small)
     assert ahead._seen == before  # nothing compiled ahead off the GPU

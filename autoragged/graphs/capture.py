@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import graph_args, graph_layout, masked_embed, masked_pack, ragged_linear, ragged_pack
+from ..kernels import graph_args, graph_layout, masked_embed, masked_pack, ragged_pack
 
 __all__ = ["GraphKey", "RaggedGraph", "record_event", "event_done", "mask_pass"]
 
@@ -74,7 +74,6 @@ class _StaticLayout:
         self.block_m, self.align, self.max_len = block_m, align, max_len
         self.live = self.offsets[batch:]  # the rows the batch fills: Triton linears and norms stop there
         self.tile_rows = None
-        self.split = None
         self.key_lengths = None  # "mask" with first_column: each row's keys (its rows past them are queries only)
 
     def device_meta(self, device):
@@ -206,7 +205,6 @@ class RaggedGraph:
         args = mailbox.args
         layout = _StaticLayout(meta, batch, programs, config.block_m, config.align, width)
         layout.tile_rows = tile_rows
-        layout.split = ragged_linear.SplitScratch.make(device)  # the replays' only: one runs at a time
         if first:
             layout.key_lengths = graph_layout.key_lengths(meta, batch, programs)
         values_fn, block_m, align = body.values, config.block_m, config.align

@@ -148,7 +148,6 @@ class _StaticLayout:
     key_lengths = None
     live = None
     tile_rows = None
-    split = None
 
     def __init__(self, meta: torch.Tensor, key: TrainGraphKey, block_sizes: tuple[int, ...]):
         s, C = _sections(key, block_sizes), key.components

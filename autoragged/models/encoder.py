@@ -80,14 +80,12 @@ _CUBLAS = KernelConfig(backend="cublas")
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # FUSED_ACTIVATIONS, for a linear run as its module
 
 
-def _linear(x: torch.Tensor, linear: Linear, activation: str | None, config, layout: Layout) -> torch.Tensor:
-    """act(x @ weight.T + bias) of a `Linear` on values x (T, K) -> (T, N); a module computes every row. `config`:
-    the linears' (`linear_config`); `layout`: what the Triton linear reads of it in a graph (live rows, tiles,
-    split scratch)."""
+def _linear(x: torch.Tensor, linear: Linear, activation: str | None, config, live, rows) -> torch.Tensor:
+    """act(x @ weight.T + bias) of a `Linear` on values x (T, K) -> (T, N); a module computes every row."""
     if isinstance(linear, nn.Module):
         y = linear(x)
         return y if activation is None else _ACTIVATIONS[activation](y)
-    return linear_values(x, *linear, activation, config, live=layout.live, rows=layout.tile_rows, split=layout.split)
+    return linear_values(x, *linear, activation, config, live=live, rows=rows)
 
 
 def linear_config(config: KernelConfig | None) -> KernelConfig | None:
@@ -100,26 +98,26 @@ def _attention(spec: EncoderLayerSpec, x: torch.Tensor, layout: Layout, config, 
     """Self-attention of one layer on values x (rows, D) -> (rows, D)."""
     rows, D = x.shape
     H = spec.heads
-    lin = linear_config(config)
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     if len(spec.qkv) == 1:
-        qkv = _linear(x, spec.qkv[0], None, lin, layout)
+        qkv = _linear(x, spec.qkv[0], None, lin, live, tiles)
         q, k, v = qkv.view(rows, 3, H, D // H).unbind(1)
     else:
-        q, k, v = (_linear(x, linear, None, lin, layout).view(rows, H, D // H) for linear in spec.qkv)
+        q, k, v = (_linear(x, linear, None, lin, live, tiles).view(rows, H, D // H) for linear in spec.qkv)
     drop = spec.dropout.probs if training else 0.0
     window = CAUSAL if causal else FULL
     a = attention_values(q, k, v, layout, window=window, scale=spec.scale, config=config, dropout=drop)
-    return _dropout(_linear(a.view(rows, D), spec.out, None, lin, layout), spec.dropout.attn_out, training)
+    return _dropout(_linear(a.view(rows, D), spec.out, None, lin, live, tiles), spec.dropout.attn_out, training)
 
 
 def _feed_forward(spec: EncoderLayerSpec, x: torch.Tensor, config, layout: Layout, training: bool) -> torch.Tensor:
-    lin = linear_config(config)
+    lin, live, tiles = linear_config(config), layout.live, layout.tile_rows
     fused = spec.activation if isinstance(spec.activation, str) else None
-    h = _linear(x, spec.ff1, fused, lin, layout)
+    h = _linear(x, spec.ff1, fused, lin, live, tiles)
     if fused is None:
         h = spec.activation(h)
     h = _dropout(h, spec.dropout.ff_inner, training)
-    return _dropout(_linear(h, spec.ff2, None, lin, layout), spec.dropout.ff_out, training)
+    return _dropout(_linear(h, spec.ff2, None, lin, live, tiles), spec.dropout.ff_out, training)
 
 
 def autocast_reason(dtype: torch.dtype) -> str | None:

@@ -114,8 +114,6 @@ class Layout:
     # The rows the linears' default Triton tiles are picked for where x's rows would mislead: a graph's values
     # have room for every row at full width, and a batch fills a fraction. None: x's rows.
     tile_rows = None
-    # A CUDA graph's scratch for the Triton linears' split tiles (`kernels.ragged_linear.SplitScratch`); else None.
-    split = None
 
     def __init__(self, lengths: tuple[int, ...], align: int, offsets: tuple[int, ...], rows: int, canonical: bool):
         self.lengths = lengths

@@ -682,13 +682,10 @@ def _aligned(config: KernelConfig, call, key: ShapeKey) -> KernelConfig:
     return config if rt is None or config.align == rt.align else config.replace(align=rt.align)
 
 
-_SPLIT_BYTES = 264 * 128 * 128 * 4  # a graph's split scratch on an H100 (`kernels.ragged_linear.SplitScratch`)
-
-
 def _graph_bytes(sig, key: GraphKey, element_size: int) -> int:
     """A graph's memory, estimated: its values rows times the widths the layers keep alive (the hidden state, q/k/v,
     attention, the feed-forward's inner width, a few norms' outputs)."""
-    return key.rows * (10 * sig.d_model + 2 * max(sig.ff, sig.d_model)) * element_size + _SPLIT_BYTES
+    return key.rows * (10 * sig.d_model + 2 * max(sig.ff, sig.d_model)) * element_size
 
 
 def _eager_rows(config: KernelConfig, x: torch.Tensor, causal: bool, total: int) -> int | None:
