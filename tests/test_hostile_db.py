@@ -376,6 +376,24 @@ def test_the_flush_prunes_in_one_more_transaction_not_one_per_batch(tmp_path, mo
     assert rec.flush() == 10 and len(db.decisions(signature="a")) == 15
 
 
+def test_the_flush_keeps_the_newest_runtime_timings(tmp_path):
+    """A long-running model's sampled timings stay bounded as its decisions do; the tuner's are kept."""
+    path = tmp_path / "t.sqlite"
+    rec = _recorder.Recorder(interval_s=3600, keep_decisions=3)
+    for flush in range(3):
+        for i in range(4):
+            n = 4 * flush + i
+            rec.add(path, CPU, measurement=Measurement(CPU.key, SIG.key, "padded", None, STATS, 1.0, 1.0, 1.0, 1,
+                                                       1000.0 + n, source="runtime"))  # fmt: skip
+        rec.add(path, CPU, measurement=Measurement(CPU.key, SIG.key, "padded", None, STATS, 1.0, 1.0, 1.0, 1,
+                                                   2000.0 + flush, source="tune"))  # fmt: skip
+        assert rec.flush() == 5
+    with TuningDB.open(path) as db:
+        timings = db.measurements()
+    assert [m.time for m in timings if m.source == "runtime"] == [1009.0, 1010.0, 1011.0]
+    assert [m.time for m in timings if m.source == "tune"] == [2000.0, 2001.0, 2002.0]
+
+
 def test_a_prune_that_fails_warns_once_and_recording_goes_on(tmp_path, caplog):
     path = tmp_path / "t.sqlite"
     rec = _recorder.Recorder(interval_s=3600, keep_decisions=2)

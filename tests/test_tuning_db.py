@@ -565,6 +565,23 @@ def test_prune_keeps_the_newest_per_signature_and_adds_the_rest_up(db):
         db.prune_decisions(-1, _count_rollup)
 
 
+def test_prune_measurements_keeps_the_newest_runtime_timings_per_signature(db):
+    """The runtime records a timing every sample_every-th batch without end: the newest `keep` of each (device,
+    signature) stay, older ones go; the tuner's measurements are never pruned."""
+    db.add_measurements([measurement(i, source="runtime") for i in range(10)])
+    db.add_measurements([measurement(i, source="runtime", signature="other", t=5000.0) for i in range(3)])
+    db.add_measurements([measurement(i) for i in range(4)])  # the tuner's
+    assert db.prune_measurements(4, pairs=[(H100.key, ENC.key)]) == 6
+    runtime = [m.time for m in db.measurements(signature=ENC.key) if m.source == "runtime"]
+    assert runtime == [1006.0 + i for i in range(4)]
+    assert len([m for m in db.measurements(signature=ENC.key) if m.source == "tune"]) == 4
+    assert len(db.measurements(signature="other")) == 3  # not among the pairs
+    assert db.prune_measurements(1) == 3 + 2 and len(db.measurements(signature="other")) == 1  # every pair
+    assert db.prune_measurements(1) == 0
+    with pytest.raises(ValueError, match="keep must be an int >= 0"):
+        db.prune_measurements(-1)
+
+
 def test_prune_deletes_unreadable_rows_without_counting_them(db):
     db.add_decisions([decision(i) for i in range(5)])
     _damage(db.path, "decisions", 1, predicted_ms="'{'")

@@ -11,7 +11,8 @@ refused when it is opened (`DamagedDatabase`); one this process cannot write rai
 opened for writing, and can be opened with `readonly=True`.
 
 Retention: `prune_decisions(keep, rollup)` keeps the newest `keep` decisions per (device, signature) and adds
-the rest up into `decision_totals` / `decision_buckets` (autoragged's recorder does it in each flush, with
+the rest up into `decision_totals` / `decision_buckets`; `prune_measurements(keep)` keeps the newest `keep` of the
+runtime's timings per (device, signature) and deletes the rest (autoragged's recorder does both in each flush, with
 `keep_decisions()`: `$AUTORAGGED_DB_KEEP_DECISIONS`, default 20,000, "all" for no bound).
 
 Layer rule: this package imports sqlite-utils and the standard library only (no torch, numpy or autoragged);

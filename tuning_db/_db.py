@@ -90,7 +90,8 @@ log = logging.getLogger("autoragged")
 
 # Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
 # pictures, and any query of single batches, read them); older ones are added up into decision_totals and
-# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush). 20,000 rows and
+# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush), and so are the
+# newest KEEP of the runtime's timings, older ones deleted (`prune_measurements`). 20,000 rows and
 # their indexes take 12 MB of file per module, flat over 1M batches (benchmarks/soak.py), and the report's
 # decision map draws at most 20,000 points anyway (`autoragged.report.plots._MAX_MAP_POINTS`).
 KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
@@ -489,6 +490,28 @@ class TuningDB:
             if pairs is None:
                 pairs = db.execute("SELECT DISTINCT device, signature FROM decisions").fetchall()
             return sum(self._prune_one(db, device, signature, keep, rollup) for device, signature in pairs)
+
+    def prune_measurements(self, keep: int, *, pairs: Iterable[tuple[str, str]] | None = None,
+                           source: str = "runtime") -> int:  # fmt: skip
+        """Keep the newest `keep` measurements of `source` of each (device, signature) and delete the older ones, in
+        one transaction: a wrapped model records a timing every `sample_every`-th batch, without end, and a refit
+        reads the newest. The tuner's measurements ("tune") are bounded by its runs and stay. pairs: the (device,
+        signature) pairs to look at (default: all). Returns the number of measurements deleted."""
+        if not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0 (measurements kept per device and signature), got {keep!r}")
+        where = "device = ? AND signature = ? AND source = ?"
+        deleted = 0
+        with self._write("pruning measurements") as db:
+            if pairs is None:
+                pairs = db.execute("SELECT DISTINCT device, signature FROM measurements WHERE source = ?",
+                                   [source]).fetchall()  # fmt: skip
+            for device, signature in pairs:
+                args = [device, signature, source]
+                (n,) = db.execute(f"SELECT count(*) FROM measurements WHERE {where}", args).fetchone()
+                if n > keep:
+                    old = f"SELECT id FROM measurements WHERE {where} ORDER BY time, id LIMIT ?"
+                    deleted += db.execute(f"DELETE FROM measurements WHERE id IN ({old})", [*args, n - keep]).rowcount
+        return deleted
 
     def _prune_one(self, db: sqlite_utils.Database, device: str, signature: str, keep: int, rollup) -> int:
         where, args = "device = ? AND signature = ?", [device, signature]

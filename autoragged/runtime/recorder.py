@@ -7,8 +7,9 @@ cannot be used as it is (`open_db`): a read-only file is read (its cost model) a
 a damaged one is neither read nor written (the runtime decides with the analytic prior).
 
 Retention: after writing, each flush keeps the newest `keep_decisions` decisions per device and module
-signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `report.rollup.rollup`, one
-more transaction per flush, never one per forward). `Recorder.keep_decisions` None (the default) reads
+signature as rows and adds the older ones up (`TuningDB.prune_decisions` with `report.rollup.rollup`), and keeps
+as many of the runtime's timings, deleting the older ones (`TuningDB.prune_measurements`): a transaction each
+per flush, never one per forward. `Recorder.keep_decisions` None (the default) reads
 `$AUTORAGGED_DB_KEEP_DECISIONS` at each flush (default 20,000; "all" keeps every row); an int overrides it.
 """
 
@@ -155,26 +156,31 @@ class Recorder:
             log.warning("autoragged: not recording decisions any more: %s", e)
             return written
         keep = self._keep()
-        if keep is not None and decisions:
-            self._prune(db, keep, {(d.device, d.signature) for d in decisions})
+        if keep is not None:
+            self._prune(db, keep, decisions, measurements)
         if bad:
             total = sum(x is not None for _, x, _ in items) + len(measurements)
             log.warning("autoragged: left %d of %d records out of %s: they cannot be stored (%s)",
                         len(bad), total, path, bad[0][1])  # fmt: skip
         return written
 
-    def _prune(self, db: TuningDB, keep: int, pairs: set[tuple[str, str]]) -> None:
+    def _prune(self, db: TuningDB, keep: int, decisions: list[Decision], measurements: list[Measurement]) -> None:
         """Bound what the flush wrote (see the module docstring). A failure here (another writer holding the lock
         past the busy timeout, a damaged file) costs one warning per file and is retried at the next flush: the
-        decisions themselves are written."""
+        records themselves are written."""
         from ..report.rollup import rollup
 
+        timed = {(m.device, m.signature) for m in measurements if m.source == "runtime"}
         try:
-            db.prune_decisions(keep, rollup, pairs=pairs)
+            if decisions:
+                db.prune_decisions(keep, rollup, pairs={(d.device, d.signature) for d in decisions})
+            if timed:
+                db.prune_measurements(keep, pairs=timed)
         except Exception as e:  # noqa: BLE001 - retention must never stop the recording
             if db.path not in self._prune_failed:
                 self._prune_failed.add(db.path)
-                log.warning("autoragged: could not prune old decisions in %s (retried at each flush): %s", db.path, e)
+                log.warning("autoragged: could not prune old decisions or timings in %s (retried at each flush): %s",
+                            db.path, e)  # fmt: skip
 
     def _keep(self) -> int | None:
         if self.keep_decisions is None:
