@@ -90,10 +90,10 @@ log = logging.getLogger("autoragged")
 
 # Retention: the newest KEEP decisions of each (device, module signature) are kept one by one (the report's
 # pictures, and any query of single batches, read them); older ones are added up into decision_totals and
-# decision_buckets (`prune_decisions`, which the runtime's recorder runs in its batched flush), and so are the
-# newest KEEP of the runtime's timings, older ones deleted (`prune_measurements`). 20,000 rows and
-# their indexes take 12 MB of file per module, flat over 1M batches (benchmarks/soak.py), and the report's
-# decision map draws at most 20,000 points anyway (`autoragged.report.plots._MAX_MAP_POINTS`).
+# decision_buckets (`prune_decisions`). The newest KEEP of the runtime's sampled timings stay too, older ones are
+# deleted (`prune_measurements`: a refit reads the newest). The runtime's recorder runs both in its batched flush.
+# 20,000 of each take 15.8 MB of file per module, flat from 650,000 batches to 1M (benchmarks/soak.py), and the
+# report's decision map draws at most 20,000 points anyway (`autoragged.report.plots._MAX_MAP_POINTS`).
 KEEP_ENV_VAR = "AUTORAGGED_DB_KEEP_DECISIONS"
 DEFAULT_KEEP_DECISIONS = 20_000
 _warned_keep: set[str] = set()

@@ -8,10 +8,10 @@ every thread). `capture_now` does both on the caller's thread (the tuner, forced
 
 A batch replays the kept graph of its key, or the narrowest one of the same batch size, inputs and causality up to
 four times as wide: the layers and the BERT family's embedding step stop at the counted rows, so spare width costs
-little (bert-base MNLI B=128: 3.02 ms a replay on a graph 512 wide, 2.96 at its own width 128; H200), and each width a
+little (bert-base MNLI B=128: 2.80 ms a replay on a graph 512 wide, 2.75 at its own width 128; H100), and each width a
 stream meets unserved is a capture. A graph keeps the Triton tiles of the rows it was captured for, so every count past
 3,072 rows takes the same tiles (kernels/ragged_linear.py). Wider graphs standing in while a batch's own is captured,
-and graphs keyed by tile class, did not pay (benchmarks/RESULTS.md).
+serving up to eight times as wide, and graphs keyed by tile class did not pay (benchmarks/RESULTS.md).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
 memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
