@@ -158,6 +158,21 @@ def device_of(args: argparse.Namespace, script: str) -> torch.device:
 
 
 # -- timing ---------------------------------------------------------------------------------------------------
+def compiled(model, smoke: bool):
+    """The compile column's model: torch.compile(model), inductor, default mode, automatic dynamic shapes (the eager
+    backend with --smoke: inductor's C++ build takes minutes on a CPU). Its compiles run in this process, one at a
+    time (`compile_threads` 1): inductor otherwise starts a pool of compile workers at its first compile, and the
+    columns timed after the compile column are disturbed (the BERT-base shape's RACE rows in stream_table.py: auto /
+    min(forced) 0.74-1.09 with that column before them, 0.96-1.03 without; RESULTS.md). The compiled code is the same;
+    compile_s, reported apart, is the serial compile's."""
+    if smoke:
+        return torch.compile(model, backend="eager")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    return torch.compile(model, backend="inductor")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -15,8 +15,8 @@ batches of the median call, in ms. Each column's model serves every row in order
 Columns (ms per batch)
   nofast        the encoder with PyTorch's fast path off (torch.backends.mha.set_fastpath_enabled(False))
   fast          the encoder as built: PyTorch's fast path with nested tensors
-  compile       torch.compile(model): default mode, automatic dynamic shapes; compile_s, its first calls' time
-                beyond their median call (compiling), is reported apart
+  compile       torch.compile(model): default mode, automatic dynamic shapes, compiling in this process
+                (_common.compiled); compile_s, its first calls' time beyond their median call, is reported apart
   auto          autoragged.wrap(model, db=--db), called with the mask
   auto_lengths  the same wrapped model called with lengths= (host ints: no device-to-host copy)
   ragged        autoragged.wrap(model, policy="ragged"): the eager ragged arm, forced
@@ -43,6 +43,7 @@ from autoragged.workloads import CORA_MODEL, sample_cora  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     add_row_arguments,
     arms_ran,
+    compiled,
     cora_rows,
     device_of,
     geomean,
@@ -100,8 +101,8 @@ def build(args, device) -> dict:
         models["auto"] = autoragged.wrap(copy.deepcopy(plain), db=args.db or False)
     if "ragged" in args.columns:
         models["ragged"] = autoragged.wrap(copy.deepcopy(plain), db=False, policy="ragged", sample_every=0)
-    if "compile" in args.columns:  # the eager backend on a CPU: inductor's C++ build takes minutes there
-        models["compile"] = torch.compile(plain, backend="eager" if args.smoke else "inductor")
+    if "compile" in args.columns:
+        models["compile"] = compiled(plain, args.smoke)
     return models
 
 

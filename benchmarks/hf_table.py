@@ -18,8 +18,9 @@ a fixed seed per row; every column gets the same batches.
 
 Columns (ms per batch)
   eager     the HF model itself, model(input_ids=..., attention_mask=...): its first pass
-  compile   torch.compile(model): default mode, automatic dynamic shapes, its first pass; compile_s (the warm-up
-            batches' seconds beyond as many timed batches: compiling) is reported apart
+  compile   torch.compile(model): default mode, automatic dynamic shapes, compiling in this process
+            (_common.compiled), its first pass; compile_s (the warm-up batches' seconds beyond as many timed
+            batches: compiling) is reported apart
   auto1     autoragged.wrap(model, db=False) (a fresh database), called as the HF model: its first pass
   auto2     the same model's second pass
   warm1     (--warmup) another fresh wrapped model, first given autoragged.warmup(model, <800 lengths of the
@@ -50,6 +51,7 @@ from benchmarks._common import (  # noqa: E402
     WARM,
     add_row_arguments,
     arms_ran,
+    compiled,
     cora_rows,
     device_of,
     geomean,
@@ -109,8 +111,7 @@ def warmed(plain, args, sizes: list[int]) -> tuple[torch.nn.Module, float]:
 def models_of(plain, args, sizes) -> tuple[dict, float | None]:
     """({column: its model}, warmup()'s seconds or None)."""
     auto = autoragged.wrap(copy.deepcopy(plain), db=False)
-    compiled = torch.compile(plain, backend="eager" if args.smoke else "inductor")  # (inductor on a CPU: minutes)
-    models = {"eager": plain, "compile": compiled, "auto": auto}
+    models = {"eager": plain, "compile": compiled(plain, args.smoke), "auto": auto}
     warmup_s = None
     if args.warmup:
         models["warm"], warmup_s = warmed(plain, args, sizes)

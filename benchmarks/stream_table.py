@@ -16,8 +16,9 @@ with one synchronisation at the end, in ms per batch, its inputs on the GPU befo
 
 Columns (first pass, ms per batch)
   fast          the encoder as built: PyTorch's fast path with nested tensors
-  compile       torch.compile(model): default mode, automatic dynamic shapes (compile_s reported apart: the
-                warm-up batches' seconds beyond as many timed batches)
+  compile       torch.compile(model): default mode, automatic dynamic shapes, compiling in this process
+                (_common.compiled; compile_s reported apart: the warm-up batches' seconds beyond as many timed
+                batches)
   ragged        autoragged.wrap(model, db=False, policy="ragged"), called with the mask: the ragged arms, forced
   auto          autoragged.wrap(model, db=False), called with the mask
   auto_lengths  another such wrapped model, called with lengths= (host ints: no device-to-host copy)
@@ -43,6 +44,7 @@ from benchmarks._common import (  # noqa: E402
     WARM,
     add_row_arguments,
     arms_ran,
+    compiled,
     cora_rows,
     device_of,
     geomean,
@@ -66,13 +68,13 @@ GOAL = 1.05  # auto / min(ragged, auto_lengths)
 
 def callers(plain, smoke: bool) -> tuple[dict, dict]:
     """({column: fn(batch)}, {column: its wrapped model}): each column has its own model."""
-    compiled = torch.compile(plain, backend="eager" if smoke else "inductor")  # (inductor on a CPU: minutes)
+    compile_model = compiled(plain, smoke)
     ragged = autoragged.wrap(copy.deepcopy(plain), db=False, policy="ragged")
     auto = autoragged.wrap(copy.deepcopy(plain), db=False)
     lengths = autoragged.wrap(copy.deepcopy(plain), db=False)
     return {
         "fast": lambda b: plain(b.x, src_key_padding_mask=b.mask),
-        "compile": lambda b: compiled(b.x, src_key_padding_mask=b.mask),
+        "compile": lambda b: compile_model(b.x, src_key_padding_mask=b.mask),
         "ragged": lambda b: ragged(b.x, src_key_padding_mask=b.mask),
         "auto": lambda b: auto(b.x, src_key_padding_mask=b.mask),
         "auto_lengths": lambda b: lengths(b.x, lengths=b.lengths),

@@ -111,3 +111,25 @@ def test_a_run_of_record_needs_a_gpu(tmp_path):
     done = run("cora_table", "--quick", "--results", str(tmp_path), gpu=False)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
     assert not (tmp_path / "cora_table.jsonl").exists()
+
+
+def test_compile_column_compiles_in_this_process():
+    """The compile column's model compiles in the calling process, one compile at a time: inductor's worker pool,
+    started at its first compile, disturbed the columns timed after it (benchmarks/RESULTS.md)."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._common import compiled
+
+    before = inductor_config.compile_threads
+    try:
+        inductor_config.compile_threads = None
+        model = torch.nn.Linear(4, 4)
+        assert compiled(model, smoke=False) is not model
+        assert inductor_config.compile_threads == 1
+        inductor_config.compile_threads = None
+        compiled(model, smoke=True)  # the eager backend: no inductor compiles to place
+        assert inductor_config.compile_threads is None
+    finally:
+        inductor_config.compile_threads = before
