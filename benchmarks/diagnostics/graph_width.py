@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                 base = rt._graph_key(call, ShapeKey(B, own, True))
                 for width in widths:
                     key = base._replace(width=width)
-                    make, nbytes = rt._graph_make(module, key)
+                    make, nbytes = rt._graph_make(module, key, sum(batch.lengths))  # tiles for its rows
                     graph = rt.graph_cache().capture_now(key, make, device, nbytes)
                     run = lambda rt=rt, call=call, graph=graph: rt._replay(call, graph, None)  # noqa: E731
                     ms = replay_ms(run)
