@@ -100,18 +100,40 @@ def test_a_trial_batch_whose_host_time_alone_prices_the_arm_out_ends_the_trial_b
     policy.started(state, "padded", 500.0)
     assert [run(state, predicted).kind for _ in range(3)] == ["ragged"] * 3
     assert state.trying is None
-    observe(state, "padded", 520.0, predicted["padded"])  # landed: the timing prices it, the host floor goes
-    assert not state.host_ms and policy.costs(state, predicted)["padded"] == pytest.approx(520.0)
+    observe(state, "padded", 520.0, predicted["padded"])  # landed: the timing prices it
+    assert policy.costs(state, predicted)["padded"] == pytest.approx(520.0)
 
 
-def test_a_host_floor_prices_only_an_arm_whose_timings_have_not_landed_here():
-    """The floor stands for the timing on its way: an arm already timed on the shape is priced by its timings."""
+def test_a_timed_arm_costs_at_least_the_median_host_time_of_its_recent_calls_on_the_shape():
+    """Timed on the shape's long batches (15,000 tokens, where its GPU work decides), the eager arm's ratio would
+    price a 5,000-token batch of the same shape at a third of that; but each of its calls there took 5 ms of host
+    time (launches, the mask's read), which fewer tokens do not shrink: priced at 5 ms, the graph (2.5) runs."""
     state = ShapeState()
-    predicted = {"padded": 2.0, "ragged": 1.0}
-    observe(state, "ragged", 1.0, predicted["ragged"])
-    policy.started(state, "ragged", 9.0)
-    policy.started(state, "padded", 9.0)
-    assert policy.costs(state, predicted) == {"padded": 9.0, "ragged": 1.0}
+    long_, short = {"ragged": 10.0, "ragged_graph": 11.0}, {"ragged": 3.3, "ragged_graph": 4.4}
+    for _ in range(MIN_SAMPLES):
+        policy.started(state, "ragged", 5.0)
+        observe(state, "ragged", 7.0, long_["ragged"])
+        policy.started(state, "ragged_graph", 0.2)
+        observe(state, "ragged_graph", 6.3, long_["ragged_graph"])
+    cost = policy.costs(state, short)
+    assert cost["ragged"] == 5.0 and cost["ragged_graph"] == pytest.approx(2.52)
+    assert run(state, short).kind == "ragged_graph"
+    policy.started(state, "ragged_graph", 40.0)  # one stalled call moves no median
+    assert policy.costs(state, short)["ragged_graph"] == pytest.approx(2.52)
+
+
+def test_the_retry_forgets_the_runner_ups_host_times_with_its_timings():
+    """A first call's host time (HF's padded forward: 0.5 s on a new shape) prices the arm out until the retry,
+    which forgets it: the arm is tried again on its prediction."""
+    state = ShapeState()
+    predicted = {"padded": 1.2, "ragged": 1.0}
+    for _ in range(MIN_SAMPLES):
+        run(state, predicted, times={"ragged": 1.0})
+    assert run(state, predicted).kind == "padded"
+    policy.started(state, "padded", 500.0)  # its timing never lands (a compile in the batch)
+    kinds = [run(state, predicted, times={"ragged": 1.0, "padded": 1.1}).kind for _ in range(RETRY_EVERY)]
+    assert kinds.index("padded") == RETRY_EVERY - 4  # the batch after the retry's (the shape's 512th)
+    assert policy.costs(state, predicted)["padded"] == pytest.approx(1.1)
 
 
 def test_an_arm_predicted_beyond_try_within_is_never_tried():
@@ -219,24 +241,6 @@ def test_timings_on_batches_of_one_content_price_a_batch_of_another_by_the_predi
     cost = policy.costs(state, short)
     assert cost["ragged"] == pytest.approx(2.86) and cost["ragged_graph"] == pytest.approx(1.9 * 6.7 / 6.5)
     assert run(state, short).kind == "ragged_graph"
-
-
-def test_a_timed_arms_price_never_drops_below_the_host_time_its_calls_took():
-    """Scaled by a ratio timed on long rows (the GPU's time decides there), the eager arm's prediction on a short
-    batch would be a fraction of what its launches cost the host: its price stays at the least host time its calls
-    took, and the graph runs."""
-    from autoragged.runtime.policy import Scales
-
-    scales = Scales()
-    scales.observe("ragged", 22.0, 20.0, 12.0)  # a long row: 12 ms of host time, 22 of GPU time
-    state = ShapeState()
-    for _ in range(MIN_SAMPLES):
-        observe(state, "ragged", 22.0, 20.0)
-        observe(state, "ragged_graph", 21.0, 20.0)
-    short = {"padded": 5.0, "ragged": 1.0, "ragged_graph": 1.5}
-    cost = policy.costs(state, short, scales)
-    assert cost["ragged"] == 12.0 and cost["ragged_graph"] == pytest.approx(1.575)
-    assert choose(state, short, ALL, 32, scales).kind == "ragged_graph"
 
 
 def test_an_arms_cost_is_its_recent_timings_however_many_came_before():

@@ -7,12 +7,12 @@ runtime keeps a `ShapeState`, and one rule decides:
    on this shape once the arm is timed there (the median of its recent timed / predicted ratios, so timings taken
    on batches of other token counts price this one; a batch that compiled a kernel or ran beside a graph's warm-up
    is no timing), until then on the module's other shapes, else on the arms this shape has timed (in training,
-   else on the arms the module has timed); never less than the host time its calls took on any shape of the
-   module (`Scales`), nor, while an arm has no timing here, less than the host time its latest batch here took
-   (known at once: HF's padded forward took up to 0.7 s at its first call on a new shape, and its trial went on
-   for batches while that timing waited behind the queued GPU work). Training's start from the device's recorded
-   training costs (`tune --train`, earlier processes' timed training batches), which the module's own timings
-   push out.
+   else on the arms the module has timed). It is never less than the median host time of the arm's recent timed
+   calls on this shape, known when each call returns (a host-bound arm's cost does not shrink with the batch's
+   tokens, and HF's padded forward took up to 0.7 s at its first call on a new shape while that timing waited
+   behind the queued GPU work), nor, where it has none here, the least host time its calls took on any shape of
+   the module (`Scales`). Training's start from the device's recorded training costs (`tune --train`, earlier
+   processes' timed training batches), which the module's own timings push out.
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
    of the background worker (graphs/worker.py), and runs once it is there.
 3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
@@ -74,14 +74,14 @@ class ShapeKey(NamedTuple):
 class ShapeState:
     """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings, each as
     timed / predicted ms of its batch;
-    host_ms: the host ms of each arm's latest timed batch here whose timing has not landed (rule 1);
+    host_ms: each arm kind's recent timed batches here, their host ms (rule 1);
     stats: the latest batch whose lengths reached the host (an unread batch is predicted with them); unread: the
     record of the latest batch not read, whose stats are on their way to the host; trying: the arm being tried and
     its batches left; retry_at: the batch count of the next fresh timing of the runner-up."""
 
     batches: int = 0
     timed: dict[str, deque] = field(default_factory=dict)
-    host_ms: dict[str, float] = field(default_factory=dict)
+    host_ms: dict[str, deque] = field(default_factory=dict)
     stats: BatchStats | None = None
     unread: object = None
     trying: str | None = None
@@ -148,15 +148,13 @@ def costs(state: ShapeState, predicted: dict[str, float], scales: Scales | None 
     shape = median(ratios) if ratios else (pooled or 1.0)
     out = {}
     for k, p in predicted.items():
-        timed = state.timed.get(k)
-        if scales is None:
+        timed, host = state.timed.get(k), state.host_ms.get(k)
+        if timed or scales is None:
             out[k] = p * (median(timed) if timed else shape)
-        elif timed:
-            out[k] = max(p * median(timed), scales.host_ms.get(k, 0.0))
         else:
             out[k] = scales.estimate(k, p, shape)
-        if not timed:
-            out[k] = max(out[k], state.host_ms.get(k, 0.0))
+        if host:
+            out[k] = max(out[k], median(host))
     return out
 
 
@@ -200,6 +198,7 @@ def _trial(state: ShapeState, run: str, untried: list[str], close: list[str]) ->
         for kind, timings in state.timed.items():
             if kind != run:
                 timings.clear()
+        state.host_ms = {kind: host for kind, host in state.host_ms.items() if kind == run}
         if close:
             return close[0]
     return None
@@ -207,13 +206,12 @@ def _trial(state: ShapeState, run: str, untried: list[str], close: list[str]) ->
 
 def started(state: ShapeState, kind: str, host_ms: float) -> None:
     """A timed batch of `kind` on this shape took `host_ms` of host time; its timing lands later (rule 1)."""
-    state.host_ms[kind] = host_ms
+    state.host_ms.setdefault(kind, deque(maxlen=WINDOW)).append(host_ms)
 
 
 def observe(state: ShapeState, kind: str, ms: float, predicted: float) -> None:
     """A timing of `kind` on a batch of this shape that the cost model predicted at `predicted` ms (a batch
     without a usable prediction teaches nothing)."""
-    state.host_ms.pop(kind, None)
     if not 0 < predicted < math.inf:
         return
     samples = state.timed.get(kind)
