@@ -3,9 +3,10 @@
 Traffic meets each new shape with what is ready: kernels compile on their first launch (an empty Triton cache
 after a deploy compiles every specialisation again), and a graph is captured in the background while the shape
 runs eagerly. `warmup` runs synthetic batches of the shapes a workload will bring through every wrapped module,
-exactly as traffic runs them, waits for the captures they asked for, and runs them again so that each shape's
-arms are timed: new batches from that workload then find their graphs captured, their kernels compiled and their
-arm chosen. Its batches are recorded like any (their reason ends in "(warmup)").
+exactly as traffic runs them, waits for the captures they asked for, and runs them again exploring (policy rule
+5: each arm is timed on each shape, so traffic meets no first trial there): new batches from that workload then
+find their graphs captured, their kernels compiled and their arm chosen. Its batches are recorded like any (their
+reason ends in "(warmup)").
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = ["warmup", "WarmupSummary"]
 log = logging.getLogger("autoragged")
 
 INPUTS = ("mask", "lengths", "both")
+EXPLORE_PASSES = 2  # passes after the first exploring one, while a pass still explored: a timing beside a compile
 
 
 @dataclass
@@ -129,7 +131,7 @@ def warmup(
 
 def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str | None:
     """Run `groups` (lists of lengths) through `module` as traffic would, wait for the captures they asked for,
-    and run them again; None, or why the module could not be warmed."""
+    and run them again exploring; None, or why the module could not be warmed."""
     runtime = module._autoragged.ready(module)
     synthetic = getattr(runtime.body, "synthetic", None)
     if synthetic is None:
@@ -147,17 +149,15 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     clipped = [[min(n, limit) for n in g] if limit is not None else g for g in groups]
     try:
         _force_first_runs(module, clipped, device)
-        for _ in range(2):  # traffic's first sight (asks for captures), then again (times the graphs)
-            for lengths in clipped:
-                for mask in modes:
-                    args, kwargs = synthetic(lengths, max(max(lengths), 1), device, mask=mask)
-                    with _tagged(module._autoragged):
-                        module(*args, **kwargs)
-                    summary.batches += 1
-                    bar.update(1)
-            worker.drain()
-            if module._autoragged.graphs is not None:
-                module._autoragged.graphs.record_ready()
+        # traffic's first sight (asks for captures), then again exploring (times the graphs and every other arm),
+        # and again while a pass explored (a timing taken beside a compile or a capture does not count)
+        explored = _pass(module, clipped, modes, synthetic, device, bar, summary, explore=False)
+        for i in range(1 + EXPLORE_PASSES):
+            explored = _pass(module, clipped, modes, synthetic, device, bar, summary, explore=True)
+            if not explored:
+                break
+            if i < EXPLORE_PASSES:
+                bar.total += len(clipped) * len(modes)
         runtime = module._autoragged  # (a structure change re-binds the module)
         summary.cublas_rows += _warm_cublas_rows(runtime, clipped, device)
         runtime.harvest(wait=True)
@@ -178,14 +178,34 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
     return None
 
 
+def _pass(module, groups, modes, synthetic, device, bar, summary, explore: bool) -> int:
+    """Run `groups` through `module` once, as traffic would (`explore`: exploring, policy rule 5), wait for the
+    captures and timings they asked for; returns how many batches ran an arm to explore it."""
+    runtime = module._autoragged
+    before = sum(state.explored for state in runtime.shapes.values())
+    for lengths in groups:
+        for mask in modes:
+            args, kwargs = synthetic(lengths, max(max(lengths), 1), device, mask=mask)
+            with _tagged(module._autoragged, explore):
+                module(*args, **kwargs)
+            summary.batches += 1
+            bar.update(1)
+    worker.drain()
+    after = module._autoragged  # (a structure change re-binds the module: its shapes start anew)
+    if after.graphs is not None:
+        after.graphs.record_ready()
+    after.harvest(wait=True)
+    return sum(state.explored for state in after.shapes.values()) - (before if after is runtime else 0)
+
+
 @contextlib.contextmanager
-def _tagged(runtime):
-    """Batches run inside are recorded with "(warmup)" at the end of their reason."""
-    runtime.tag = " (warmup)"
+def _tagged(runtime, explore: bool = False):
+    """Batches run inside are recorded with "(warmup)" at the end of their reason; `explore`: exploring."""
+    runtime.tag, runtime.exploring = " (warmup)", explore
     try:
         yield
     finally:
-        runtime.tag = ""
+        runtime.tag, runtime.exploring = "", False
 
 
 def _force_first_runs(module, groups, device) -> None:

@@ -143,6 +143,38 @@ def test_an_arm_predicted_beyond_try_within_is_never_tried():
     assert kinds == {"ragged"}
 
 
+def test_exploring_runs_each_arm_without_a_timing_on_the_shape_once_whatever_its_price():
+    """Rule 5 (`warmup`): an arm priced 100x the running one, never tried in traffic, runs once; so does one
+    whose first timing is still on its way; then the cheapest runs again, and traffic meets no trial."""
+    state = ShapeState()
+    predicted = {"padded": 100.0, "ragged": 10.0, "ragged_graph": 1.0}
+    first = choose(state, predicted, ALL, 32, explore=True)
+    assert first.kind == "ragged_graph" and first.timed  # untimed itself: it runs, timed
+    policy.started(state, "ragged_graph", 0.1)
+    second = choose(state, predicted, ALL, 32, explore=True)
+    assert (second.kind, second.why, second.timed) == ("ragged", policy.EXPLORING, True)
+    policy.started(state, "ragged", 10.0)  # its timing has not landed: it is not explored again
+    assert choose(state, predicted, ALL, 32, explore=True).kind == "padded"
+    policy.started(state, "padded", 100.0)
+    assert choose(state, predicted, ALL, 32, explore=True).kind == "ragged_graph"
+    assert state.explored == 2
+    for kind in ALL:
+        observe(state, kind, predicted[kind], predicted[kind])
+    assert [choose(state, predicted, ALL, 32).kind for _ in range(2 * MIN_SAMPLES)] == ["ragged_graph"] * 6
+
+
+def test_exploring_needs_timings_and_skips_arms_that_cannot_run():
+    state = ShapeState()
+    predicted = {"padded": 5.0, "ragged": math.inf, "ragged_graph": 1.0}
+    choice = choose(state, predicted, {"padded", "ragged"}, 32, explore=True)  # the graph is not captured
+    assert choice.kind == "padded" and choice.want == "ragged_graph"
+    policy.started(state, "padded", 5.0)
+    assert choose(state, predicted, {"padded", "ragged"}, 32, explore=True).why != policy.EXPLORING
+    off = ShapeState()  # sample_every=0: nothing is timed, so nothing explores
+    assert choose(off, {"padded": 5.0, "ragged": 1.0}, {"padded", "ragged"}, 0, explore=True).kind == "ragged"
+    assert choose(off, {"padded": 5.0, "ragged": 1.0}, {"padded", "ragged"}, 0, explore=True).kind == "ragged"
+
+
 def test_the_runner_up_is_timed_anew_every_retry_every_batches():
     """Streams drift: at the shape's RETRY_EVERY-th batch the runner-up within TRY_WITHIN runs MIN_SAMPLES batches
     with fresh timings; if it got faster meanwhile it takes over."""

@@ -170,11 +170,31 @@ def test_warmup_batches_are_recorded_and_say_so(tmp_path):
     path = tmp_path / "t.sqlite"
     enc = autoragged.wrap(make_encoder(), db=path)
     summary = autoragged.warmup(enc, [[5, 3], [7, 7, 2]], progress=False)
-    assert summary.modules == 1 and summary.batches == 4  # each batch twice: as traffic, then timed
+    # each batch three times: as traffic, exploring (each shape's other arm), again (nothing left to explore)
+    assert summary.modules == 1 and summary.batches == 6
     autoragged.flush()
     with TuningDB.open(path) as db:
         rows = db.decisions()
-    assert len(rows) == 4 and all(r.reason.endswith("(warmup)") for r in rows)
+    assert len(rows) == 6 and all(r.reason.endswith("(warmup)") for r in rows)
+    assert {(r.stats.batch, r.arm) for r in rows} == {(b, arm) for b in (2, 3) for arm in ("padded", "ragged")}
+
+
+def test_after_warmup_traffic_on_its_shapes_meets_no_trial_even_of_an_arm_priced_far_off():
+    """Warm-up times every arm on each shape (policy rule 5), the eager arm here too, though predicted at 50x the
+    padded arm: were it untimed, a later drift of the module's scales could make traffic try it."""
+    enc = autoragged.wrap(make_encoder(), db=False)
+    rt = with_model(enc, Fixed({"padded": 1.0, "ragged": 50.0}))
+    groups = [[9, 3, 5], [12, 12, 1], [7, 2, 2, 2]]
+    autoragged.warmup(enc, groups, progress=False)
+    assert len(rt.shapes) == 2
+    for state in rt.shapes.values():
+        assert set(state.timed) == {"padded", "ragged"} and all(state.timed.values())
+    with torch.no_grad():
+        for lens in groups * 4:
+            x, mask = batch(lens, 64, "cpu")
+            enc(x, src_key_padding_mask=mask)
+    decisions = autoragged.recent_decisions(enc, 12)
+    assert [d.arm for d in decisions] == ["padded"] * 12 and not any("trying" in d.reason for d in decisions)
 
 
 def test_forcing_runs_the_block_on_the_forced_arm_and_restores_the_policy():

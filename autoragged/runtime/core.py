@@ -130,6 +130,7 @@ class Runtime:
         self.db_path, self.sample_every = options.db_path, options.sample_every
         self.recording = True  # decisions and timings go to the database
         self.tag = ""  # added to every record's reason (" (warmup)" while `autoragged.warmup` runs)
+        self.exploring = False  # every arm untimed on a shape runs at once (policy rule 5; set by `warmup`)
         self.body = body = adapter.bind(module)
         self.static_reason, self.sig, self.sig_key = body.static_reason, body.sig, body.sig.key
         self._bound_epoch = param_epoch()  # the structure the body was bound to: a change re-binds (`ready`)
@@ -269,7 +270,7 @@ class Runtime:
                 if graph is not None:
                     ready.add("ragged_graph")
         scales = self.train_scales if key.train else self.scales
-        choice = policy.choose(shape, predicted, ready, self.sample_every, scales)
+        choice = policy.choose(shape, predicted, ready, self.sample_every, scales, self.exploring)
         why = f"{choice.why}: {predictions.note}" if choice.why == "predicted" else choice.why
         if choice.want == "ragged_graph":
             self._request_graph(module, gkey, stats, call)
