@@ -45,6 +45,7 @@ class WarmupSummary:
     compile hooks); capture_s: host time of the CUDA-graph captures; captured: the graphs captured, as
     "module: B x width, lengths_from (inputs)" labels; graphs, graph_bytes: graphs kept now and their bytes (all
     modules); evictions: graphs evicted meanwhile; bound_reached: the memory bound stopped captures;
+    explored: batches that ran an arm to time it on a shape where it had no timing (policy rule 5), all modules;
     cublas_rows: row counts (rungs) the eager arm's cuBLAS linears were run on, all modules (`_warm_cublas_rows`);
     ahead_s: the wait, at the end, for the kernel variants compiling in the background (`kernels/ahead.py`) to be
     done."""
@@ -60,6 +61,7 @@ class WarmupSummary:
     graph_bytes: int = 0
     evictions: int = 0
     bound_reached: bool = False
+    explored: int = 0
     cublas_rows: int = 0
     ahead_s: float = 0.0
 
@@ -151,7 +153,7 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
         _force_first_runs(module, clipped, device)
         # traffic's first sight (asks for captures), then again exploring (times the graphs and every other arm),
         # and again while a pass explored (a timing taken beside a compile or a capture does not count)
-        explored = _pass(module, clipped, modes, synthetic, device, bar, summary, explore=False)
+        _pass(module, clipped, modes, synthetic, device, bar, summary, explore=False)
         for i in range(1 + EXPLORE_PASSES):
             explored = _pass(module, clipped, modes, synthetic, device, bar, summary, explore=True)
             if not explored:
@@ -195,7 +197,9 @@ def _pass(module, groups, modes, synthetic, device, bar, summary, explore: bool)
     if after.graphs is not None:
         after.graphs.record_ready()
     after.harvest(wait=True)
-    return sum(state.explored for state in after.shapes.values()) - (before if after is runtime else 0)
+    explored = sum(state.explored for state in after.shapes.values()) - (before if after is runtime else 0)
+    summary.explored += explored
+    return explored
 
 
 @contextlib.contextmanager
