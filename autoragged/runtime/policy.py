@@ -20,8 +20,8 @@ runtime keeps a `ShapeState`, and one rule decides:
    trial ends early once the arm's timings price it beyond TRY_WITHIN. Every RETRY_EVERY batches of the shape, the
    other arms' timings are forgotten: those priced within TRY_WITHIN again are tried anew.
 4. The running arm is timed until it has MIN_SAMPLES timings, then every `sample_every`-th batch of the shape.
-5. Exploring (`autoragged.warmup`), an arm with no timing on the shape, none on its way, runs at once whatever its
-   cost: warm-up pays the trials traffic would otherwise meet on the shape (an untimed arm's price follows the
+5. Exploring (`autoragged.warmup`), a ready arm with no timing on the shape, none on its way, runs at once whatever
+   its cost: warm-up pays the trials traffic would otherwise meet on the shape (an untimed arm's price follows the
    module's other shapes, which later shapes move: after a warm-up that had not timed it, one trial of the eager
    arm added 16 ms to a row of 16 batches at 3.7 ms).
 
