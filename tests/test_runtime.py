@@ -71,6 +71,38 @@ def test_a_batch_forced_padded_reads_its_mask_only_at_its_shapes_first_sight(dev
     assert [d.stats.total for d in decisions] == [sum(LENGTHS), sum(other)] * 2
 
 
+@pytest.mark.parametrize("given", ["attn_mask", "float mask"])
+def test_batches_that_run_padded_unread_compute_what_the_module_does_on_the_call_as_given(device_masks, given):
+    """A call the ragged arm cannot run (an attention mask beside the key padding mask; a float key padding mask,
+    PyTorch's -inf = pad) runs padded, and after its shape's first batch its mask is not read: the padded arm must
+    still get the call as given (it had dropped the attention mask, and zeroed pads with the float mask, which
+    raised) and the records each batch's own stats."""
+    enc = make_encoder()
+    seqs = [[9, 3, 5], [9, 9, 1], [9, 2, 2]]  # one shape: B = 3, L = 12
+    inputs = [batch(lens, 64, "cpu") for lens in seqs]
+    L = inputs[0][0].shape[1]
+    attn = torch.rand(L, L, generator=torch.Generator().manual_seed(0)) > 0.7
+    attn.fill_diagonal_(False)
+    attn[:, 0] = False  # every query sees a real key
+
+    def call(module, x, mask):
+        if given == "attn_mask":
+            return module(x, mask=attn, src_key_padding_mask=mask)
+        return module(x, src_key_padding_mask=torch.zeros(mask.shape).masked_fill(mask, float("-inf")))
+
+    with torch.no_grad():
+        wants = [call(enc, x, mask) for x, mask in inputs]
+        autoragged.wrap(enc, db=False, sample_every=0)
+        outs = [call(enc, x, mask) for x, mask in inputs]
+    assert len(device_masks) == 1  # the shape's first batch only
+    for y, want, lens in zip(outs, wants, seqs):
+        torch.testing.assert_close(real_tokens(y, lens), real_tokens(want, lens), rtol=1e-4, atol=1e-4)
+        assert (pads(y, lens) == 0).all()
+    decisions = autoragged.recent_decisions(enc, 3)
+    assert all(d.arm == "padded" for d in decisions)
+    assert [d.stats.total for d in decisions] == [sum(lens) for lens in seqs]
+
+
 def test_where_the_eager_arm_is_cheapest_every_batch_reads(device_masks):
     enc = autoragged.wrap(make_encoder(), db=False, sample_every=0)
     with_model(enc, Fixed({"padded": 3.0, "ragged": 1.0}))

@@ -12,6 +12,8 @@ RaggedTensor (then the result is one); `lengths` are host ints (B) that make the
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -22,6 +24,8 @@ from .base import Body, Call, EpochCache
 from .encoder import autocast_reason, encoder_values
 
 __all__ = ["DispatchingTransformerEncoder", "DispatchingTransformerEncoderLayer", "signature_of", "ADAPTER"]
+
+log = logging.getLogger("autoragged")
 
 
 class DispatchingTransformerEncoder(nn.TransformerEncoder):
@@ -102,6 +106,7 @@ class TorchEncoderBody(Body):
         self.d_model = self.sig.d_model
         self.head_dim = self.sig.d_model // max(self.sig.heads, 1)
         self.fused = self.mask_graph = self.trains = True
+        self._float_mask_checked = False
         self._layers_dict = _layer_dict(module)
         self._layer_count = len(self._layers_dict) if self._layers_dict is not None else 0
         # the layers as specs, re-made only when a parameter or module was (re-)registered
@@ -109,6 +114,19 @@ class TorchEncoderBody(Body):
 
     def probe(self) -> torch.Tensor:
         return self.layers[0].linear1.weight
+
+    def check_float_mask(self, kpm: torch.Tensor) -> None:
+        """Warn about a float key padding mask holding values other than 0 and -inf: an HF-style mask (1.0 = keep),
+        which PyTorch adds to the attention scores, so it pads nothing. Checked once per module (a device sync)."""
+        if self._float_mask_checked:
+            return
+        self._float_mask_checked = True
+        if not bool(((kpm == 0) | torch.isneginf(kpm)).all()):
+            log.warning(
+                "autoragged %s: the float key padding mask holds values other than 0 and -inf; PyTorch adds a float "
+                "mask to the attention scores (-inf = pad), so a 1 = keep mask is not a padding mask. Pass a bool "
+                "mask, True = pad (e.g. attention_mask == 0)", self.sig.key,
+            )  # fmt: skip
 
     def autocast_reason(self, dtype, cast):
         return autocast_reason(dtype)
@@ -144,18 +162,16 @@ class TorchEncoderBody(Body):
 class TorchCall(Call):
     """A call of a wrapped torch encoder (see the module docstring for the signature)."""
 
-    __slots__ = ("body", "src", "x", "ragged_in", "attn_mask", "kpm", "is_causal", "lengths", "B", "L",
+    __slots__ = ("body", "src", "x", "ragged_in", "attn_mask", "given_kpm", "kpm", "is_causal", "lengths", "B", "L",
                  "causal", "reason", "passthrough", "device", "dtype", "requires_grad")  # fmt: skip
 
     def __init__(self, body: TorchEncoderBody, src, attn_mask, kpm, is_causal, lengths):
-        self.body, self.src, self.attn_mask, self.kpm, self.is_causal, self.lengths = (
-            body,
-            src,
-            attn_mask,
-            kpm,
-            is_causal,
-            lengths,
-        )
+        self.body, self.src, self.attn_mask, self.is_causal, self.lengths = body, src, attn_mask, is_causal, lengths
+        self.given_kpm = kpm  # as the caller gave it: the padded arm passes it on
+        if kpm is not None and kpm.dtype.is_floating_point:  # PyTorch's float convention: -inf = pad
+            body.check_float_mask(kpm)
+            kpm = torch.isneginf(kpm)
+        self.kpm = kpm  # bool, True = pad: what the runtime reads
         ragged_in = isinstance(src, RaggedTensor)
         self.ragged_in = src if ragged_in else None
         x = self.x = src.values if ragged_in else src
@@ -182,11 +198,11 @@ class TorchCall(Call):
             self.reason = "attn_mask other than key padding (pass is_causal=True with a causal mask)"
         elif is_causal and attn_mask is None:
             self.reason = "is_causal without attn_mask"
-        elif kpm is not None and kpm.dtype != torch.bool:
+        elif self.given_kpm is not None and self.given_kpm.dtype != torch.bool:
             self.reason = "key padding mask is not bool"
 
     def original(self, module):
-        return self.body.base.forward(module, self.src, self.attn_mask, self.kpm, self.is_causal)
+        return self.body.base.forward(module, self.src, self.attn_mask, self.given_kpm, self.is_causal)
 
     def no_tokens(self) -> str:
         raise ValueError(
@@ -199,18 +215,18 @@ class TorchCall(Call):
         seq_axis = 1 if body.batch_first else 0
         padded_in = padded_from_ragged(ragged_in, 0.0, L, seq_axis) if ragged_in is not None else self.src
         has_pads = stats.total < stats.batch * L
-        kpm = self.kpm
-        if kpm is None or ragged_in is not None:
-            kpm = pad_mask(lens, L, self.device) if has_pads else None
-        out = body.base.forward(module, padded_in, self.attn_mask, kpm, self.is_causal)
-        if has_pads and kpm is not None:
-            out = zero_pads(out, kpm if kpm.dtype == torch.bool else torch.isneginf(kpm), body.batch_first)
+        given, pads = self.given_kpm, self.kpm
+        if given is None or ragged_in is not None:
+            given = pads = pad_mask(lens, L, self.device) if has_pads else None
+        out = body.base.forward(module, padded_in, self.attn_mask, given, self.is_causal)
+        if has_pads and pads is not None:
+            out = zero_pads(out, pads, body.batch_first)
         if ragged_in is not None:
             return ragged_from_padded(out, lens, ragged_in.align, seq_axis)
         return out
 
     def padded_mask(self, module):
-        out = self.body.base.forward(module, self.x, None, self.kpm, None)
+        out = self.body.base.forward(module, self.x, self.attn_mask, self.given_kpm, self.is_causal)
         return zero_pads(out, self.kpm, self.body.batch_first)
 
 

@@ -344,24 +344,8 @@ class Runtime:
                     )
             return lens, None
         if kpm is not None:
-            if kpm.dtype.is_floating_point:  # PyTorch's float convention: -inf = pad, added to the scores
-                self._check_float_mask(kpm)
-                kpm = torch.isneginf(kpm)
             return mask_lengths(kpm, batch=B, seq_len=L)
         return (L,) * B, None
-
-    def _check_float_mask(self, kpm: torch.Tensor) -> None:
-        """Warn (once per module) about a float key padding mask holding values other than 0 and -inf: an
-        HF-style mask (1.0 = keep) passed to a PyTorch encoder, which adds it to the attention scores."""
-        if getattr(self, "_float_mask_warned", False):
-            return
-        if not bool(((kpm == 0) | torch.isneginf(kpm)).all()):
-            self._float_mask_warned = True
-            log.warning(
-                "autoragged %s: the float key padding mask holds values other than 0 and -inf; PyTorch adds a float "
-                "mask to the attention scores (-inf = pad), so a 1 = keep mask is not a padding mask. Pass a bool "
-                "mask, True = pad (e.g. attention_mask == 0)", self.sig_key,
-            )  # fmt: skip
 
     def _dynamic_reason(self, module, call, grad: bool) -> str | None:
         """Why this call must run padded (the call's own reason first), or None. `grad`: autograd records it."""
