@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
 
 from autoragged.kernels import ragged_attention as k_attn  # noqa: E402
 
+import autoragged  # noqa: E402
 import autoragged.ops as ops  # noqa: E402
 from autoragged import KernelConfig, RaggedTensor  # noqa: E402
 
@@ -191,3 +192,40 @@ def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
         assert on_caller == ["_ragged_attn_fwd_kernel", "_layout_kernel"], on_caller
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+@pytest.mark.parametrize("given", ["attn_mask", "float mask"])
+def test_unread_padded_batches_on_the_gpu_compute_the_call_as_given(given):
+    """tests/test_runtime.py's check with real device masks: from a shape's second batch on, the mask is not read
+    and the padded arm must still get the attention mask (or the float key padding mask) as given."""
+    from torch import nn
+
+    layer = nn.TransformerEncoderLayer(64, 2, 96, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda().eval()
+    seqs = [[9, 3, 5], [9, 9, 1], [9, 2, 2]]
+    L = 12
+    g = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(3, L, 64, generator=g).cuda(), torch.arange(L)[None, :] >= torch.tensor(s)[:, None])
+              for s in seqs]  # fmt: skip
+    attn = torch.rand(L, L, generator=g) > 0.7
+    attn.fill_diagonal_(False)
+    attn[:, 0] = False
+    attn = attn.cuda()
+
+    def call(module, x, mask):
+        mask = mask.cuda()
+        if given == "attn_mask":
+            return module(x, mask=attn, src_key_padding_mask=mask)
+        return module(x, src_key_padding_mask=torch.zeros(mask.shape, device="cuda").masked_fill(mask, float("-inf")))
+
+    with torch.no_grad():
+        wants = [call(enc, x, mask) for x, mask in inputs]
+        autoragged.wrap(enc, db=False, sample_every=0)
+        outs = [call(enc, x, mask) for x, mask in inputs]
+    for y, want, (_, mask) in zip(outs, wants, inputs):
+        keep = ~mask.cuda()
+        torch.testing.assert_close(y[keep], want[keep], rtol=1e-4, atol=1e-4)
+        assert (y[~keep] == 0).all()
+    decisions = autoragged.recent_decisions(enc, 3)
+    assert all(d.arm == "padded" for d in decisions)
+    assert [d.stats.total for d in decisions] == [sum(s) for s in seqs]
