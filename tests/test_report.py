@@ -256,6 +256,18 @@ def test_trials_are_left_out_of_the_regret_as_exploration_was(tmp_path):
     assert r.mean == 0.0  # ragged, the choice, averaged 7.0 ms against the trial's 12.0
 
 
+def test_warm_ups_explored_batches_count_as_exploring():
+    """Warm-up's batches that time an arm on a shape (policy rule 5) are exploration, as trials are."""
+    from autoragged.report.rollup import exploring
+    from autoragged.runtime.policy import EXPLORING as WARM_EXPLORING
+
+    def d(reason):
+        return Decision(0.0, H100.key, CORA, S1, "padded", None, {"padded": 5.0}, reason, 5.0)
+
+    assert exploring(d(WARM_EXPLORING + " (warmup)")) and exploring(d(TRYING + "ragged)"))
+    assert not exploring(d(TIMED + " (warmup)")) and not exploring(d(PREDICTED))
+
+
 def test_device_calibration_and_measurements(filled):
     s = report.summary(filled[0])
     dev = next(d for d in s.devices if d.key == H100.key)

@@ -86,7 +86,8 @@ def forced(d: Decision) -> bool:
 
 
 def exploring(d: Decision) -> bool:
-    """A batch run to time an arm, not because it was predicted best ("trying it"; "exploring" in older records)."""
+    """A batch run to time an arm, not because it was predicted best ("trying it"; "exploring it": warm-up's, policy
+    rule 5; "exploring" in older records)."""
     return d.reason.startswith(("trying it", "exploring"))
 
 
