@@ -34,7 +34,7 @@ __all__ = ["warmup", "WarmupSummary"]
 log = logging.getLogger("autoragged")
 
 INPUTS = ("mask", "lengths", "both")
-EXPLORE_PASSES = 2  # passes after the first exploring one, while a pass still explored: a timing beside a compile
+EXPLORE_PASSES = 2  # exploring passes after the first, while one explored: a timing beside a compile is no timing
 
 
 @dataclass
