@@ -34,7 +34,9 @@ __all__ = ["warmup", "WarmupSummary"]
 log = logging.getLogger("autoragged")
 
 INPUTS = ("mask", "lengths", "both")
-EXPLORE_PASSES = 2  # exploring passes after the first, while one explored: a timing beside a compile is no timing
+# At most one exploring pass per arm kind: a pass runs an untimed arm of a shape on each of its batches, so a shape
+# with fewer batches than arms, or whose timing came beside a compile (no timing), leaves one for the next pass
+ARM_KINDS = ("padded", "ragged", "ragged_graph")
 
 
 @dataclass
@@ -154,11 +156,11 @@ def _warm_module(label, module, groups, modes, max_memory, bar, summary) -> str 
         # traffic's first sight (asks for captures), then again exploring (times the graphs and every other arm),
         # and again while a pass explored (a timing taken beside a compile or a capture does not count)
         _pass(module, clipped, modes, synthetic, device, bar, summary, explore=False)
-        for i in range(1 + EXPLORE_PASSES):
+        for i in range(len(ARM_KINDS)):
             explored = _pass(module, clipped, modes, synthetic, device, bar, summary, explore=True)
             if not explored:
                 break
-            if i < EXPLORE_PASSES:
+            if i + 1 < len(ARM_KINDS):
                 bar.total += len(clipped) * len(modes)
         runtime = module._autoragged  # (a structure change re-binds the module)
         summary.cublas_rows += _warm_cublas_rows(runtime, clipped, device)

@@ -53,3 +53,16 @@ def backend(request, monkeypatch):
         monkeypatch.setattr(ops, "use_triton", lambda t: False)
         monkeypatch.setattr(_ragged, "use_triton", lambda t: False)
     return torch.device(device)
+
+
+@pytest.fixture
+def device_masks(monkeypatch):
+    """Masks count as device masks (reading one is a sync, so the runtime reads only where its arm needs lengths);
+    returns the list of reads, one entry each."""
+    from autoragged.runtime import core
+
+    reads = []
+    real = core.mask_lengths
+    monkeypatch.setattr(core, "_on_device", lambda mask: True)
+    monkeypatch.setattr(core, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
+    return reads

@@ -188,20 +188,15 @@ def test_the_eager_arm_on_spare_cublas_rows_gives_the_original(kernels, monkeypa
 @pytest.mark.parametrize("cheapest", ["padded", "ragged"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert"])
-def test_batches_whose_mask_is_not_read_give_the_original(family, side, cheapest, monkeypatch):
-    """A mask on the GPU is read only where the arm that runs needs lengths (simulated here: every mask counts as
+def test_batches_whose_mask_is_not_read_give_the_original(family, side, cheapest, device_masks, monkeypatch):
+    """A mask on the GPU is read only where the arm that runs needs lengths (`device_masks`: every mask counts as
     on the device). With the padded arm cheapest, a shape's later batches run unread: the original on the call as
     given, and each record gets the batch's own stats; with the eager arm cheapest, each batch is read."""
     from _fakes import Fixed
 
     from autoragged.planning.planner import Planner
-    from autoragged.runtime import core
 
     use_reference(monkeypatch)
-    reads = []
-    monkeypatch.setattr(core, "_on_device", lambda mask: True)
-    real = core.mask_lengths
-    monkeypatch.setattr(core, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
     model = autoragged.wrap(model_of(family), db=False, sample_every=0)
     (rt,) = [m._autoragged for m in model.modules() if "_autoragged" in m.__dict__]
     rt.planners[torch.device("cpu")] = Planner(rt.sig, Fixed({cheapest: 1.0}))
@@ -210,7 +205,7 @@ def test_batches_whose_mask_is_not_read_give_the_original(family, side, cheapest
     with torch.no_grad():
         outs = [model(**kwargs) for kwargs, _ in calls]
     padded_left = side == "left" and family == "modernbert"  # runs padded once read (its windows see column 0)
-    assert len(reads) == (1 if cheapest == "padded" else 3)
+    assert len(device_masks) == (1 if cheapest == "padded" else 3)
     for out, (kwargs, keep) in zip(outs, calls):
         check_close(family, out, model, kwargs, keep)
     decisions = autoragged.recent_decisions(model, 3)

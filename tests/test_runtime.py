@@ -21,16 +21,6 @@ def with_model(enc, model):
     return rt
 
 
-@pytest.fixture
-def device_masks(monkeypatch):
-    """Masks count as device masks (a read is a sync) and every read is counted."""
-    reads = []
-    real = core.mask_lengths
-    monkeypatch.setattr(core, "_on_device", lambda mask: True)
-    monkeypatch.setattr(core, "mask_lengths", lambda *a, **k: reads.append(1) or real(*a, **k))
-    return reads
-
-
 def test_a_mask_alone_is_read_once_then_only_where_the_running_arm_needs_lengths(device_masks):
     """A shape's first batch reads (nothing known of it yet); after that, with the padded arm cheapest, no batch
     reads, and each record still gets the batch's own stats (counted on the device, brought home later)."""
