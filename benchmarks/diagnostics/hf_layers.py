@@ -9,7 +9,11 @@ Per arm: the call's median wall time over --reps synchronised calls, and one tor
 kernel time into kinds (gemm, attention, layernorm, activation, elementwise, copy/pack, other). The arms are
 forced through the runtime's own execute path (`autoragged.measure.ArmRunner`). The roofline is the real
 tokens' linear and attention FLOPs at the rate of one large cuBLAS fp16 product measured in the same process.
-Prints a table.
+Beside the graph: its layers' linears alone, each layer's four (q/k/v as one product) captured in one CUDA graph
+and timed by events over back-to-back replays, as the graph runs them (Triton, the graph's capacity of rows,
+`live` at the batch's tokens, the tiles picked for them) and as cuBLAS on exactly the batch's tokens with the gelu
+after it; "graph at cuBLAS" is the graph's call with its linears' kernel time replaced by cuBLAS's alone. Prints
+two tables.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 from autoragged.tuning_db import BatchStats  # noqa: E402
 
 from autoragged.measure import ArmRunner  # noqa: E402
@@ -107,6 +113,58 @@ def measure(fn, reps: int) -> tuple[float, tuple]:
     return statistics.median(times), profile_kernels(fn, KINDS)
 
 
+def events_ms(fn, reps: int = 30) -> float:
+    """Mean ms of `fn` over `reps` back-to-back calls between two CUDA events, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def linears_alone(model, tokens: int, capacity: int) -> dict[str, float]:
+    """ms of a BertModel's linears alone, each set captured in one CUDA graph: "triton" as the ragged graph runs
+    them (a buffer of `capacity` rows, `live` at `tokens`, the tiles `default_config` picks for `tokens`),
+    "cublas" on exactly `tokens` rows, gelu after ff1 (torch.compile's and the eager arm's products)."""
+    weights = []
+    for layer in model.encoder.layer:
+        a = layer.attention.self
+        qkv = [torch.cat([a.query.weight, a.key.weight, a.value.weight]), torch.cat([a.query.bias, a.key.bias,
+               a.value.bias])]  # fmt: skip
+        dense = [layer.attention.output.dense, layer.intermediate.dense, layer.output.dense]
+        weights.append([qkv, *([d.weight, d.bias] for d in dense)])
+    d, ff = model.config.hidden_size, model.config.intermediate_size
+    x = torch.randn(capacity, d, device="cuda", dtype=torch.float16)
+    h = torch.randn(capacity, ff, device="cuda", dtype=torch.float16)
+    live = torch.tensor([tokens], device="cuda", dtype=torch.int32)
+    outs = {n: torch.empty(capacity, n, device="cuda", dtype=torch.float16) for n in (3 * d, d, ff)}
+
+    def triton():
+        for (wq, bq), (wo, bo), (w1, b1), (w2, b2) in weights:
+            for inp, w, b, act in ((x, wq, bq, None), (x, wo, bo, None), (x, w1, b1, "gelu"), (h, w2, b2, None)):
+                config = k_lin.default_config(w.shape[0], w.shape[1], tokens, act)
+                k_lin.ragged_linear(inp, w, b, act, config, live=live, out=outs[w.shape[0]])
+
+    def cublas():
+        xs, hs = x[:tokens], h[:tokens]
+        for (wq, bq), (wo, bo), (w1, b1), (w2, b2) in weights:
+            F.linear(xs, wq, bq), F.linear(xs, wo, bo), F.gelu(F.linear(xs, w1, b1)), F.linear(hs, w2, b2)
+
+    times = {}
+    for name, fn in (("triton", triton), ("cublas", cublas)):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times[name] = events_ms(graph.replay)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bert-base", choices=list(SHAPES))
@@ -119,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ArmRunner(copy.deepcopy(model))
     rate = matmul_peak_tflops(shape=(16384, 3072, 768))
     print(f"cuBLAS fp16 (16384 x 3072) @ (3072 x 768): {rate:.0f} TFLOP/s")
-    rows = []
+    rows, alone = [], []
     for spec in args.rows:
         dataset, batch = spec.split(":")
         lengths = sample_cora(dataset, int(batch), np.random.default_rng(0))
@@ -132,11 +190,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {spec} {arm}: {ms:.2f} ms, kernels {gpu_ms:.2f} ms", flush=True)
                 for name, kms, count in top[:6]:
                     print(f"      {kms:7.2f} ms {count:4d}x {name}")
+                if arm == "ragged_graph":
+                    times = linears_alone(model, sum(lengths), int(batch) * mask_width(max(lengths)))
+                    graph = events_ms(fn)
+                    alone.append({"row": spec, "tokens": sum(lengths), "graph_ms": graph, "linears_ms": by_kind["gemm"],
+                                  "triton_ms": times["triton"], "cublas_ms": times["cublas"],
+                                  "at_cublas_ms": graph - by_kind["gemm"] + times["cublas"]})  # fmt: skip
     kinds = [k for k, _ in KINDS] + ["elementwise", "other"]
     cols = [("row", "row", ""), ("tokens", "tokens", "d"), ("arm", "arm", ""), ("ms", "call ms", ".2f"),
             ("gpu_ms", "kernels ms", ".2f"), ("roofline_ms", "roofline ms", ".2f")]  # fmt: skip
     print(f"\n## {args.model}: kernel time by kind (one profiled call)\n")
     print(table(rows, cols + [(f"{k}_ms", f"{k} ms", ".2f") for k in kinds]))
+    print(f"\n## {args.model}: the graph's linears, in it and alone (ms, back-to-back calls timed by events)\n")
+    print(table(alone, [("row", "row", ""), ("tokens", "tokens", "d"), ("graph_ms", "graph", ".3f"),
+                        ("linears_ms", "its linears (profiler)", ".3f"), ("triton_ms", "alone, Triton", ".3f"),
+                        ("cublas_ms", "alone, cuBLAS + gelu", ".3f"),
+                        ("at_cublas_ms", "graph at cuBLAS", ".3f")]))  # fmt: skip
     return 0
 
 
