@@ -138,7 +138,7 @@ def linear_values(
     k_lin.check_inputs(x, weight, bias, activation)
     if _recording(x, weight, bias):
         return k_lin.ragged_linear_ref(x, weight, bias, activation)
-    config = config or k_lin.default_config(weight.shape[0], weight.shape[1], rows or x.shape[0])
+    config = config or k_lin.default_config(weight.shape[0], weight.shape[1], rows or x.shape[0], activation)
     if config.backend == "cublas":
         return k_lin.cublas_linear(x, weight, bias, activation)
     if not use_triton(x):

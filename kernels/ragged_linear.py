@@ -238,19 +238,23 @@ def prune(config: KernelConfig, *, n: int, k: int, element_size: int = 2) -> boo
 # on 1-20% faster than the 128 x 256 tiles kept before, free of their wave quantization on narrow weights, and
 # 0.91-1.17x cuBLAS's time for a layer's four. One class past 3,072 rows: a graph keeps its tiles for the narrower
 # batches it serves (128 x 256 past 16,384 rows made bert-base's rows of 5,500-9,000 tokens 5-14% slower end to end).
+# The exact-gelu epilogue (about 15 instructions an element) is the one that moves the pick: a gelu linear takes each
+# bucket's next larger tiles, as 8 warps share that epilogue (bert-base's ff1 at 1,000 rows 16.2 us against 20.8).
 _SMALL_ROWS, _MID_ROWS = 1024, 3072
 _SMALL = KernelConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 _MID = KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 _LARGE = KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+_BUCKET_TILES = (_SMALL, _MID, _LARGE)
 
 
-def default_config(n: int, k: int, rows: int) -> KernelConfig:
+def default_config(n: int, k: int, rows: int, activation: str | None = None) -> KernelConfig:
     """The untuned tiles for an (N, K) weight on `rows` rows. Bucketed by rows, never keyed on them, so a new batch
     size never needs a new kernel. N and K do not change the pick: the same tiles led for deep (ff2), wide (ff1)
-    and square weights alike."""
-    if rows <= _SMALL_ROWS:
-        return _SMALL
-    return _MID if rows <= _MID_ROWS else _LARGE
+    and square weights alike; gelu's epilogue does (above)."""
+    bucket = 0 if rows <= _SMALL_ROWS else 1 if rows <= _MID_ROWS else 2
+    if activation == "gelu":
+        bucket = min(bucket + 1, 2)
+    return _BUCKET_TILES[bucket]
 
 
 def fit_shared_memory(config: KernelConfig, element_size: int, limit: int = 227 * 1024) -> KernelConfig:
@@ -413,7 +417,6 @@ def ragged_linear(
 # compiles them without launching (Triton's `warmup`: no module is loaded; the descriptors are of 16-row tensors
 # the caller's thread allocates, M not being specialized on); a launch that comes before its compile has finished
 # compiles it itself.
-_BUCKET_TILES = (_SMALL, _MID, _LARGE)
 _VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 
 

@@ -382,7 +382,8 @@ def test_linear_strided_input_and_cublas_backend(device):
 
 
 def test_linear_default_tiles_follow_the_rows():
-    """Few rows get small tiles, a few thousand the mid ones, more the large ones, whatever the weight."""
+    """Few rows get small tiles, a few thousand the mid ones, more the large ones, whatever the weight; a gelu
+    linear the next larger ones."""
     small, mid, large = k_lin._SMALL, k_lin._MID, k_lin._LARGE
     assert k_lin.default_config(512, 2048, 400) == small == k_lin.default_config(1536, 512, 1024)
     assert k_lin.default_config(1536, 512, 1025) == mid == k_lin.default_config(512, 2048, 3072)
@@ -390,6 +391,10 @@ def test_linear_default_tiles_follow_the_rows():
         assert k_lin.default_config(n, k, 3073) == large == k_lin.default_config(n, k, 40000)
     assert large.block_m * large.block_n > mid.block_m * mid.block_n > small.block_m * small.block_n
     assert all(k_lin.prune(c, n=512, k=2048) for c in (small, mid, large))
+    # gelu's epilogue takes each bucket's next larger tiles
+    assert k_lin.default_config(3072, 768, 400, "gelu") == mid == k_lin.default_config(1536, 384, 1024, "gelu")
+    assert k_lin.default_config(3072, 768, 1025, "gelu") == large == k_lin.default_config(3072, 768, 40000, "gelu")
+    assert k_lin.default_config(2048, 512, 1025, "relu") == mid
 
 
 def test_linear_tiles_fit_shared_memory():

@@ -88,7 +88,7 @@ def bench(shape: str, rows: int) -> dict:
     row["cublas_ms"] = graph_ms(lambda: k_lin.cublas_linear(real, w, b, act))
     configs = {f"m{bm}n{bn}k{bk}w{wp}s{st}": KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
                                                            num_stages=st) for bm, bn, bk, wp, st in TILES}  # fmt: skip
-    configs["default"] = k_lin.default_config(n, k, rows)
+    configs["default"] = k_lin.default_config(n, k, rows, act)
     for kernel, tma in KERNELS.items():
         ours = {}
         for name, c in configs.items():
