@@ -464,10 +464,10 @@ def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]
 
 
 def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: dict, config: KernelConfig,
-                          key: tuple | None = None) -> None:  # fmt: skip
+                          key: tuple) -> None:  # fmt: skip
     """Hand the other row buckets' tiles of this launch's variant to the background compiler at its first sight
-    (`key`: the variant's, as `_plan` makes it)."""
-    if not ahead.first_sight(key or _sibling_key(x.dtype, x.device, N, K, flags), x):
+    (`key`: the variant's, `_sibling_key`, as `_plan` holds it)."""
+    if not ahead.first_sight(key, x):
         return
     jobs = []
     for tiles in sibling_tiles(config, x.element_size()):

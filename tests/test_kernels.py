@@ -732,5 +732,6 @@ def test_sibling_tiles_are_the_other_row_buckets():
     before = set(ahead._seen)
     x = torch.randn(8, 32)
     flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "PRECISION": "tf32", "UPCAST": False}
-    k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, flags, small)
+    key = k_lin._sibling_key(x.dtype, x.device, 16, 32, flags)
+    k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, flags, small, key)
     assert ahead._seen == before  # nothing compiled ahead off the GPU
