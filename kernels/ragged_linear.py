@@ -457,9 +457,10 @@ def _sibling_key(dtype: torch.dtype, device: torch.device, N: int, K: int, flags
     return "linear", dtype, device, N % 16 == 0, K % 16 == 0, N == 1, K == 1, rest
 
 
-def sibling_tiles(config: KernelConfig, element_size: int) -> list[KernelConfig]:
-    """The row buckets' default tiles (fitted to shared memory) other than `config`'s."""
-    tiles = {fit_shared_memory(t, element_size) for t in _BUCKET_TILES}
+def sibling_tiles(config: KernelConfig, element_size: int, gelu: bool = False) -> list[KernelConfig]:
+    """The row buckets' default tiles (fitted to shared memory) other than `config`'s; a gelu linear's never take
+    the small ones (`default_config`)."""
+    tiles = {fit_shared_memory(t, element_size) for t in _BUCKET_TILES[1 if gelu else 0 :]}
     return sorted((t for t in tiles if t != config), key=lambda t: (t.block_m, t.block_n))
 
 
@@ -470,7 +471,7 @@ def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: 
     if not ahead.first_sight(key, x):
         return
     jobs = []
-    for tiles in sibling_tiles(config, x.element_size()):
+    for tiles in sibling_tiles(config, x.element_size(), flags["ACTIVATION"] == _ACT_CODE["gelu"]):
         bk = min(tiles.block_k, max(16, triton.next_power_of_2(K)))
         x_small = torch.empty((16, K), dtype=x.dtype, device=x.device)  # 16 rows: M is not specialized on
         out_small = torch.empty((16, N), dtype=x.dtype, device=x.device)

@@ -726,6 +726,8 @@ def test_sibling_tiles_are_the_other_row_buckets():
     assert len({small, mid, large}) == 3
     assert k_lin.sibling_tiles(small, 2) == [mid, large]
     assert k_lin.sibling_tiles(large, 2) == [small, mid]
+    assert k_lin.sibling_tiles(large, 2, gelu=True) == [mid]  # a gelu linear never takes the small tiles
+    assert {k_lin.default_config(512, 512, rows, "gelu") for rows in (64, 3000, 20000)} == {mid, large}
     assert all(k_lin.fit_shared_memory(t, 4) == t for t in k_lin.sibling_tiles(small, 4))
     from autoragged.kernels import ahead
 
