@@ -5,9 +5,10 @@ runtime picks tiles from a batch's shape (its rows for a linear, its longest com
 stream of new batches meets a variant it has not compiled yet at some batch of its own choosing: compiled
 then, inside a CUDA-graph capture, it stalls the stream for 0.3-0.7 s on an H100 (benchmarks/stream_table.py).
 So the first launch of a variant outside a capture hands its siblings (the same call with the other tiles the
-runtime may pick) to this thread, which compiles them with Triton's `warmup`: no launch, no module load. A
-launch that comes before its sibling's compile finished compiles it itself. Nothing is done in the interpreter
-or off the GPU.
+runtime may pick) to this thread, which compiles them with Triton's `warmup` (no launch) and loads them: their
+launcher and module, which a sibling's first launch on the caller's thread built and loaded in 0.7-1.4 ms of its
+0.8-1.5 (an H100). A launch that comes before its sibling's compile finished compiles it itself. Nothing is done
+in the interpreter or off the GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def _run(device, jobs, name: str) -> None:
     with torch.cuda.device(device):
         for job in jobs:
             try:
-                job()
+                load = getattr(job(), "_init_handles", None)  # (Triton's CompiledKernel; private, hence getattr)
+                if load is not None:
+                    load()
             except Exception as e:  # noqa: BLE001 - such a variant compiles (and fails loudly) where it is used
                 logging.getLogger("autoragged").debug("compiling a %s variant ahead failed: %s", name, e)
 

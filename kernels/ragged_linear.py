@@ -445,9 +445,9 @@ def ragged_linear(
 # compiled variant of the TMA kernel: compiled on first sight inside a graph capture, it costs a stream of new
 # batches 0.66 s (bert-base, RACE B=32 on an H100, benchmarks/stream_table.py). So the first launch of a variant
 # (dtype, flags, N and K) outside a graph capture hands the other buckets' tiles to one background thread, which
-# compiles them without launching (Triton's `warmup`: no module is loaded; the descriptors are of 16-row tensors
-# the caller's thread allocates, M not being specialized on); a launch that comes before its compile has finished
-# compiles it itself.
+# compiles and loads them without launching (kernels/ahead.py; the descriptors are of 16-row tensors the caller's
+# thread allocates, M not being specialized on); a launch that comes before its compile has finished compiles it
+# itself.
 _VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
 
 

@@ -107,23 +107,33 @@ def test_a_new_row_count_compiles_no_new_kernel():
         assert _compiled(*fns) == seen, f"rows={rows} compiled a new kernel"
 
 
-def test_the_other_row_buckets_tiles_compile_in_the_background():
-    """The first launch of a TMA linear variant hands the other row buckets' tiles to a background compile:
-    a later batch in another bucket launches without compiling on the caller's thread (0.66 s inside a stream
-    before), and computes the reference's result."""
+def test_the_other_row_buckets_tiles_compile_in_the_background(monkeypatch):
+    """The first launch of a TMA linear variant hands the other row buckets' tiles to a background compile and
+    load: a later batch in another bucket launches without compiling or loading a module on the caller's thread
+    (0.66 s inside a stream before), and computes the reference's result."""
     import threading
 
     from autoragged.kernels import ahead
     from autoragged.kernels import ragged_linear as k_lin
     from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
 
     on_caller: list[str] = []
+    loads_on_caller: list[str] = []
     caller = threading.current_thread()
 
     def hook(**kw):
         if threading.current_thread() is caller:
             on_caller.append(kw["fn"].name)
 
+    load = CompiledKernel._init_handles
+
+    def counted_load(kernel):
+        if getattr(kernel, "module", None) is None and threading.current_thread() is caller:
+            loads_on_caller.append(kernel.name)
+        return load(kernel)
+
+    monkeypatch.setattr(CompiledKernel, "_init_handles", counted_load)
     k_lin._linear_tma_kernel.device_caches.clear()  # forget compiled variants (the disk cache still serves them)
     ahead.forget()
     before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
@@ -141,6 +151,7 @@ def test_the_other_row_buckets_tiles_compile_in_the_background():
             got = k_lin.ragged_linear(x, w, b, "relu", config)
             torch.testing.assert_close(got, k_lin.ragged_linear_ref(x, w, b, "relu"), atol=0.1, rtol=0.02)
         assert on_caller == ["_linear_tma_kernel"], on_caller
+        assert loads_on_caller == ["_linear_tma_kernel"], loads_on_caller  # the first launch's own module
     finally:
         knobs.runtime.jit_post_compile_hook = before
 
