@@ -6,7 +6,7 @@ stream of new batches meets a variant it has not compiled yet at some batch of i
 then, inside a CUDA-graph capture, it stalls the stream for 0.3-0.7 s on an H100 (benchmarks/stream_table.py).
 So the first launch of a variant outside a capture hands its siblings (the same call with the other tiles the
 runtime may pick) to this thread, which compiles them with Triton's `warmup` (no launch) and loads them: their
-launcher and module, which a sibling's first launch on the caller's thread built and loaded in 0.7-1.4 ms of its
+launcher and module, which a sibling's first launch on the caller's thread built and loaded in 0.8-1.4 ms of its
 0.8-1.5 (an H100). A launch that comes before its sibling's compile finished compiles it itself. Nothing is done
 in the interpreter or off the GPU.
 """
