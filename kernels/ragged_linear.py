@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from . import ahead, cublas_ahead
+from . import ahead
 from .config import KernelConfig, _identity, dot_upcast, interpreting, next_pow2
 from .triton_compat import HAS_TRITON, tl, triton
 
@@ -494,12 +494,8 @@ def cublas_linear(
     """The cuBLAS backend: one cuBLASLt call with bias and relu in its epilogue (`torch._addmm_activation`,
     what PyTorch's own encoder fast path uses); gelu runs after it, exact (the epilogue's gelu is the
     tanh approximation)."""
-    relu = activation == "relu" and bias is not None
-    if x.is_cuda:
-        if not torch.compiler.is_compiling():  # its rows' neighbours are warmed ahead of their use
-            cublas_ahead.note(x, weight, bias is not None, relu)
-        if relu:
-            return torch._addmm_activation(bias, x, weight.t())
+    if activation == "relu" and bias is not None and x.is_cuda:
+        return torch._addmm_activation(bias, x, weight.t())
     return ragged_linear_ref(x, weight, bias, activation)
 
 

@@ -156,51 +156,6 @@ def test_the_other_row_buckets_tiles_compile_in_the_background(monkeypatch):
         knobs.runtime.jit_post_compile_hook = before
 
 
-def test_cublas_rows_near_a_batch_are_warmed_on_the_background_thread(caplog):
-    """After a batch whose lengths it knows, the runtime hands the cuBLAS linears its eager arm ran to the
-    background thread at the rungs near the batch's tokens (`kernels.cublas_ahead`): they run there, on their own
-    stream, without error, and a batch on such a rung then computes the original's function."""
-    import copy
-    import logging
-
-    from autoragged.kernels import ahead, cublas_ahead
-    from torch import nn
-
-    from autoragged.planning.buckets import cublas_rows, cublas_rows_near
-
-    cublas_ahead.forget()
-    layer = nn.TransformerEncoderLayer(64, 2, 96, dropout=0.0, batch_first=True)
-    plain = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda().half().eval()
-    enc = autoragged.wrap(copy.deepcopy(plain), db=False, policy="ragged")
-    g = torch.Generator().manual_seed(0)
-
-    def batch(lengths):
-        L = max(lengths)
-        x = torch.randn(len(lengths), L, 64, generator=g).cuda().half()
-        return x, (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None]).cuda()
-
-    first, later = [300] * 4, [300] * 4 + [260]  # 1,200 then 1,460 tokens: rungs 1,280 and 1,664
-    near = cublas_rows_near(1200)
-    assert cublas_rows(1200) in near and cublas_rows(1460) in near and cublas_rows(1460) != cublas_rows(1200)
-    with caplog.at_level(logging.DEBUG, logger="autoragged"), torch.no_grad():
-        x, mask = batch(first)
-        enc(x, src_key_padding_mask=mask)
-        ahead.drain()  # one worker: the warming jobs have run
-        torch.cuda.synchronize()
-        device = torch.device("cuda", torch.cuda.current_device())
-        problems = cublas_ahead._problems[device]
-        assert {(p.out_features, p.in_features) for p in problems} >= {(192, 64), (64, 64), (96, 64), (64, 96)}
-        met = {(k[1], k[3]) for k in cublas_ahead._met if k[0] == device}
-        assert {(r, (p.out_features, p.in_features)) for r in near for p in problems} <= met
-        assert device in cublas_ahead._streams
-        x, mask = batch(later)
-        y = enc(x, src_key_padding_mask=mask)
-        want = plain(x, src_key_padding_mask=mask)
-    assert not [r for r in caplog.records if "failed" in r.getMessage()]
-    keep = ~mask
-    torch.testing.assert_close(y[keep], want[keep], rtol=2e-2, atol=2e-2)
-
-
 def test_the_other_attention_tiles_and_layouts_compile_in_the_background():
     """The first attention launch of a variant and the first layout of a batch bucket hand their siblings (the
     32 x 32 tiles of a short batch, the other layouts of that bucket's graphs) to the background compiles: a later

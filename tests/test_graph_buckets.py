@@ -2,8 +2,6 @@
 lengths (numpy reference and Triton kernel) and the pointer-addressed pack / unpack it replays with (the
 kernels run compiled on CUDA, in the interpreter on CPU)."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,7 +12,7 @@ from conftest import DEVICES, triton_available
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoragged.planning.buckets import cublas_rows, cublas_rows_near, ladder, mask_width, padded_bucket, ragged_bucket
+from autoragged.planning.buckets import ladder, mask_width, padded_bucket, ragged_bucket
 from autoragged.ragged.layout import Layout
 
 TRITON_DEVICES = [d for d in DEVICES if triton_available(d)]
@@ -60,14 +58,6 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
     assert b == 32 and L >= n and L % 16 == 0 and (n < 16 or L <= n * 1.1 + 16)
     w = mask_width(n)  # the mask graph's: 2 rungs an octave
     assert w >= L and w % 16 == 0 and (n < 16 or w <= n * 1.42 + 16)
-
-
-@pytest.mark.parametrize("n", [1, 200, 256, 1000, 2944, 6600, 8192, 9000, 20000])
-def test_the_cublas_rungs_near_a_batch_are_those_of_the_token_counts_within_a_quarter(n):
-    """Brute force: every rung a batch of n/1.25 to 1.25n tokens lands on, none past 8,192 rows."""
-    want = sorted({cublas_rows(t) for t in range(math.ceil(n / 1.25), int(n * 1.25) + 1)} - set(range(8193, 10**6)))
-    assert list(cublas_rows_near(n)) == want
-    assert (cublas_rows(n) in want) == (cublas_rows(n) <= 8192)
 
 
 @pytest.mark.parametrize("n", [257, 1000, 4097, 46913, 10**6])

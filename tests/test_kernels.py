@@ -381,32 +381,6 @@ def test_linear_strided_input_and_cublas_backend(device):
         torch.testing.assert_close(ops.linear_values(x, w, None, None, config).double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_cublas_rungs_are_warmed_once_per_problem_not_met(monkeypatch):
-    """`cublas_ahead`: each problem noted on a device is handed to the background thread once at each rung asked
-    for that has not met it; a new problem is handed over at the rungs asked before too."""
-    from autoragged.kernels import ahead, cublas_ahead
-
-    handed = []
-    monkeypatch.setattr(ahead, "submit", lambda device, jobs, name: handed.extend(jobs))
-    monkeypatch.setattr(cublas_ahead, "_met", set())
-    monkeypatch.setattr(cublas_ahead, "_problems", {})
-    monkeypatch.setattr(cublas_ahead, "_asked", set())
-    cpu, other = torch.device("cpu"), torch.device("meta")
-    w1, w2, w3 = torch.empty(48, 16), torch.empty(16, 48), torch.empty(24, 16)
-    cublas_ahead.note(torch.empty(256, 16), w1, True, True)
-    cublas_ahead.note(torch.empty(384, 48), w2, True, False)
-    cublas_ahead.note(torch.empty(384, 48), w2, True, False)  # met: nothing new
-    assert cublas_ahead.warm(other, (256, 384)) == 0  # nothing ran there
-    assert cublas_ahead.warm(cpu, (256, 384, 512)) == 4  # w1 at 384 and 512, w2 at 256 and 512
-    rungs = {(job.args[1], job.args[2].out_features) for job in handed}
-    assert rungs == {(384, 48), (512, 48), (256, 16), (512, 16)}
-    assert cublas_ahead.warm(cpu, (256, 384, 512)) == 0 and cublas_ahead.warm(cpu, (384, 512, 640)) == 2
-    cublas_ahead.note(torch.empty(256, 16), w3, False, False)  # a new problem
-    assert cublas_ahead.warm(cpu, (256, 384, 512)) == 2  # at the rungs it has not met
-    assert handed[-1].args[2] == cublas_ahead.Problem(torch.float32, 24, 16, False, False)
-    assert len(handed) == 8
-
-
 def test_linear_default_tiles_follow_the_rows():
     """Few rows get small tiles, a few thousand the mid ones, more the large ones, whatever the weight; a gelu
     linear the next larger ones."""

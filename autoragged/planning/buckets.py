@@ -10,15 +10,7 @@ import math
 
 from ..kernels.config import next_pow2  # (kernels.config imports neither torch nor triton)
 
-__all__ = [
-    "ladder",
-    "ragged_bucket",
-    "padded_bucket",
-    "mask_width",
-    "cublas_rows",
-    "cublas_rows_near",
-    "LADDER_VERSION",
-]
+__all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_rows", "LADDER_VERSION"]
 
 # Bumped whenever what a graph arm computes changes: its measurements under another version describe other work,
 # and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
@@ -72,19 +64,3 @@ def cublas_rows(rows: int) -> int:
     if rows <= _CUBLAS_LADDER_ROWS:
         return ladder(rows, floor=256, multiple=128, steps=8)
     return -(-rows // _CUBLAS_BLOCK) * _CUBLAS_BLOCK
-
-
-_NEAR = 1.25  # cublas_rows_near: a stream's next batches of a size mostly bring tokens within 1.25x of this one's
-
-
-@functools.lru_cache(maxsize=4096)
-def cublas_rows_near(rows: int) -> tuple[int, ...]:
-    """The rungs (`cublas_rows`) of the batches of 1/1.25x to 1.25x `rows` tokens, up to 8,192 rows: where the next
-    batches of a stream may land, warmed ahead (`kernels.cublas_ahead`). None beyond 8,192: the warming thread's
-    tensors stay cached for its own stream, and there they would take as much memory as a batch's."""
-    rung, top = cublas_rows(max(1, math.ceil(rows / _NEAR))), min(cublas_rows(int(rows * _NEAR)), _CUBLAS_LADDER_ROWS)
-    near = []
-    while rung <= top:
-        near.append(rung)
-        rung = cublas_rows(rung + 1)
-    return tuple(near)

@@ -31,9 +31,8 @@ from torch import nn
 
 from ..graphs.cache import GraphCache
 from ..graphs.capture import GraphKey, RaggedGraph
-from ..kernels import cublas_ahead
 from ..kernels.config import KernelConfig
-from ..planning.buckets import LADDER_VERSION, cublas_rows, cublas_rows_near, mask_width
+from ..planning.buckets import LADDER_VERSION, cublas_rows, mask_width
 from ..planning.costmodel import PADDED, AnalyticPrior, Arm
 from ..planning.device import device_key
 from ..planning.planner import Planner, default_ragged_config, graph_config
@@ -228,8 +227,6 @@ class Runtime:
             if late:
                 arm, why, learns = PADDED, late, False
         out, pads = self._execute(module, call, arm, lens, stats, not_prefix, decision.graph)
-        if lens is not None and device.type == "cuda" and not call.causal:  # the eager arm's next rungs, warmed ahead
-            cublas_ahead.warm(device, cublas_rows_near(stats.total))
         if arm.kind == "padded":  # what it computed: a packed row's padded arm runs the whole row
             stats = _whole_rows(call, stats) or stats
         record = Record(stats, arm, decision.predicted, why + self.tag, device_key(device), self.sig_key)
