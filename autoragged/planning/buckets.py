@@ -56,8 +56,8 @@ _CUBLAS_BLOCK = 1024
 @functools.lru_cache(maxsize=4096)
 def cublas_rows(rows: int) -> int:
     """The rows the eager ragged arm gives its cuBLAS linears for a batch of `rows` packed rows; the spare rows
-    belong to no sequence and nothing reads them. cuBLAS pays a first call per problem shape (its heuristic
-    query): bert-base's fp16 `F.linear`s on a row count never seen before took 0.12-2.6 ms of host time each
+    belong to no sequence and nothing reads them. cuBLAS pays a first call per problem and row count:
+    bert-base's fp16 `F.linear`s on a row count never seen before took 0.12-2.6 ms of host time each
     against 12-62 us on one met before on an H200 (benchmarks/RESULTS.md, "Where first sight goes"), and a stream
     brings a new token count every batch. Up to 8,192 rows: a ladder of 8 rungs per octave (at most ~9% spare).
     Beyond, where the linears' time grows with the rows, whole blocks of 1,024 rows: at most 12.5% spare at 8K rows,
