@@ -418,6 +418,33 @@ def test_a_batch_replays_a_kept_graph_up_to_four_times_as_wide_the_narrowest_fir
     assert cache.lookup(GraphKey(16, 64, "mask", "ids", False)) is None  # another batch size
 
 
+def test_the_graph_serving_a_key_follows_every_change_of_the_kept_graphs(monkeypatch):
+    """`lookup` remembers which graph serves each key; a graph kept, evicted or dropped makes it look again."""
+    from autoragged.graphs.capture import GraphKey
+
+    cache, _ = _cache(monkeypatch, cap=2)
+    narrow = GraphKey(8, 48, "mask", "ids", False)
+
+    def capture(width):
+        key = GraphKey(8, width, "mask", "ids", False)
+        return cache.capture_now(key, lambda pool, stream: _Graph(key), "cuda", 1)
+
+    assert cache.lookup(narrow) is None and cache.lookup(narrow) is None
+    capture(192)
+    assert cache.lookup(narrow).key.width == 192
+    capture(96)  # narrower: it serves now
+    assert cache.lookup(narrow).key.width == 96
+    capture(1024)  # the cap is 2: the least recently used (192) goes, 96 still serves
+    assert cache.lookup(narrow).key.width == 96 and {k.width for k in cache.graphs} == {96, 1024}
+    assert cache.lookup(GraphKey(8, 1024, "mask", "ids", False)).key.width == 1024  # used after 96
+    capture(2048)  # 96 is the least recently used now: it goes, and nothing serves
+    assert {k.width for k in cache.graphs} == {1024, 2048} and cache.lookup(narrow) is None
+    capture(64)
+    assert cache.lookup(narrow).key.width == 64
+    cache.clear()
+    assert cache.lookup(narrow) is None
+
+
 def test_a_failed_capture_is_remembered_and_the_cap_evicts_the_least_recently_used(monkeypatch, caplog):
     from autoragged.graphs.capture import GraphKey
 

@@ -284,6 +284,7 @@ class RaggedGraph:
         embed, made, batch, width = body.embed, {}, key.batch, key.width
         ids = self.ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         types = self.types = torch.zeros_like(ids) if key.inputs == "ids_tt" else None
+        self.types_zero = True  # (with types) every type is 0
         self._made = made
 
         def embed_ids():
@@ -326,8 +327,12 @@ class RaggedGraph:
             raise ValueError(f"this graph runs batches of up to {self.key.batch} x {self.key.width} on "
                              f"{self.device}, got ids {tuple(ids.shape)} on {ids.device}")  # fmt: skip
         self.ids[:B, :L].copy_(ids)
-        if self.types is not None:
-            self.types[:B, :L].copy_(types) if types is not None else self.types.zero_()
+        if types is not None:
+            self.types[:B, :L].copy_(types)
+            self.types_zero = False
+        elif not self.types_zero:  # (a tokenizer gives types every batch or never: zeroed once, not per batch)
+            self.types.zero_()
+            self.types_zero = True
         return torch.empty((B, L, self.d_model), dtype=self.dtype, device=ids.device)
 
     def _ids_head(self, out: torch.Tensor) -> tuple:
