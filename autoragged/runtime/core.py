@@ -281,8 +281,6 @@ class Runtime:
         if choice.kind == "ragged":
             arm = Arm("ragged", _aligned(arm.config, call, key))
         graph = graph if choice.kind == "ragged_graph" else None
-        if graph is not None and graph.key.width >= 4 * gkey.width and stats is not None:  # served at the edge
-            self._request_graph(module, gkey, stats, call)  # its own graph, twice its width, in the background
         return _Decision(arm, choice.timed, why, predictions.ms, graph, True)
 
     # -- lengths and stats -----------------------------------------------------------------------------
