@@ -1,22 +1,19 @@
 """The CUDA graphs of one wrapped module: which are kept, which are being captured, which failed.
 
-A graph is asked for by its `GraphKey` and made by a callable the runtime gives (graphs/capture.py's
-`RaggedGraph`); this file knows nothing else of the module. `request` hands the warm-up run to the background
-worker (graphs/worker.py) and returns at once; `record_ready`, which the runtime calls after a batch's work is
-queued, records the graphs whose warm-up is done, on the caller's thread (a capture forbids device-wide syncs in
-every thread). `capture_now` does both on the caller's thread (the tuner, forced benchmark arms).
+A graph is asked for by its `GraphKey` and made by a callable the runtime gives (graphs/capture.py); this file
+knows nothing else of the module. `request` hands the warm-up run to the background worker (graphs/worker.py);
+`record_ready`, called after a batch's work is queued, records the warmed graphs on the caller's thread (a capture
+forbids device-wide syncs in every thread). `capture_now` does both on the caller's thread (the tuner, forced arms).
 
 A batch replays the kept graph of its key, or the narrowest one of the same batch size, inputs and causality up to
-four times as wide: the layers and the BERT family's embedding step stop at the counted rows, so spare width costs
-little (bert-base MNLI B=128: 2.80 ms a replay on a graph 512 wide, 2.75 at its own width 128; H100), and each width a
-stream meets unserved is a capture. A graph keeps the Triton tiles of the rows it was captured for, so every count past
-3,072 rows takes the same tiles (kernels/ragged_linear.py). Wider graphs standing in while a batch's own is captured,
-serving up to eight times as wide, and graphs keyed by tile class did not pay (benchmarks/RESULTS.md).
+`_SERVES` times as wide: the layers stop at the counted rows, so spare width costs little (bert-base MNLI B=128:
+2.80 ms a replay on a graph 512 wide, 2.75 at its own width 128; H100), but a graph keeps the Triton tiles of the
+rows it was captured for (kernels/ragged_linear.py).
 
 What is kept: `cap` graphs where a count is given, else as many as fit `GRAPH_MEMORY_FRACTION` of the device
-memory obtainable at the module's first capture, by each graph's estimated bytes; least recently used out. A failed
-capture is remembered with its reason (the batches of its key run eagerly). Parameters are read in place by the
-replays, so in-place updates are seen; parameters given new storage drop every graph (`check_params`).
+memory obtainable at the first capture, by each graph's estimated bytes; least recently used out. A failed capture
+is remembered with its reason (its key's batches run eagerly). Replays read the parameters in place, so in-place
+updates are seen; parameters given new storage drop every graph (`check_params`).
 """
 
 from __future__ import annotations

@@ -1,36 +1,29 @@
 """A ragged CUDA graph: one wrapped module's layers captured for a batch of up to `batch` x `width` tokens.
 
-On the short rows a batch's GPU work is tens of microseconds a layer and an eager run spends about a millisecond
-launching kernels; a replay launches the whole encoder at once. One graph serves every batch of its batch size
-whose padded length fits its width: the layout (offsets, lengths, prelude) is built on the device from the batch's
-lengths or its mask (kernels/graph_layout.py), pack and unpack read the caller's input and write a fresh output
-through pointers (kernels/ragged_pack.py, kernels/masked_pack.py), and the layers' Triton linears and norms stop at
-the rows the batch fills (`Layout.live`), so the work is that of the real tokens whatever the width.
+On the short rows an eager run spends about a millisecond launching kernels for tens of microseconds of GPU work a
+layer; a replay launches the whole encoder at once. One graph serves every batch of its batch size that fits its
+width: the layout is built on the device from the batch's lengths or mask (kernels/graph_layout.py), pack and
+unpack go through pointers (kernels/ragged_pack.py, kernels/masked_pack.py), and the Triton linears and norms stop
+at the rows the batch fills (`Layout.live`), so the work is that of the real tokens whatever the width.
 
 How a graph takes its batch (`GraphKey.lengths_from`):
     "mask":    the key padding mask alone, any padding pattern; nothing is read on the host, nothing synchronises.
                A body whose output's column 0 is read even where it is a pad (`first_column`) gets a left-padded
-               row's column 0 as one more, query-only, row. Each row's pad count (for the decision record) is
-               stored by the graph into the pinned host slot the batch's args name (`run_mask`'s `pads_to`).
+               row's column 0 as one more, query-only, row. The graph stores each row's pad count (for the
+               decision record) in the pinned host slot the batch's args name.
     "lengths": host lengths, right padding (a `lengths=` call, or a mask that was read).
     "values":  a RaggedTensor's values, copied in and out.
-`GraphKey.inputs` "ids" / "ids_tt": the graph also runs the body's embedding step on static token ids (and token
-types) that each replay fills: the host launches no embedding step. A mask graph whose body gives that step as
-tables (`Body.embed_tables`, the BERT family) computes the real tokens' embeddings only, straight into their packed
-rows (kernels/masked_embed.py); otherwise the body's module runs over the whole (batch, width) buffer.
+`GraphKey.inputs` "ids" / "ids_tt": the graph runs the body's embedding step too, on static token ids (and types)
+each replay fills. A mask graph whose body gives that step as tables (`Body.embed_tables`, the BERT family)
+embeds the real tokens only, straight into their packed rows (kernels/masked_embed.py).
 
 Per batch the host writes the args (pointers, strides, sizes, lengths) into a slot of a pinned ring that the
 graph's first kernel reads (kernels/graph_args.py): no host->device copy, no sync, no Triton launch from Python.
-
-Everything a graph reads must outlive it: static buffers live on the graph, and the capture closure, which holds
-the buffers and never the graph itself, is kept with it (a buffer only the closure held was freed after capture
-and reused). Making a graph is a warm-up run, then the capture. The warm-up run, which compiles kernels and makes
-the handles and allocations, runs in the background (graphs/worker.py); the capture, which only records, happens
-on the caller's thread between its batches, because while a stream is capturing no thread may synchronise the
-whole device (`torch.cuda.synchronize()` in the caller's code raised).
-
-A graph's static buffers serve every replay of it, so one wrapped module's batches must follow one another on
-one stream.
+Everything a graph reads must outlive it: its static buffers live on the graph, and the capture closure (which
+holds the buffers, never the graph) is kept with it. The warm-up run, which compiles kernels and makes handles
+and allocations, runs in the background (graphs/worker.py); the capture, which only records, runs on the caller's
+thread between its batches (no thread may synchronise the whole device while a stream captures). A graph's static
+buffers serve every replay, so one wrapped module's batches must follow one another on one stream.
 """
 
 from __future__ import annotations

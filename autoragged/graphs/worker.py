@@ -1,17 +1,10 @@
 """Graph warm-ups off the traffic's path: one background thread per process runs the graphs' warm-up runs.
 
 Making a graph is a warm-up run (it compiles the Triton kernels, makes handles and allocates: tens to hundreds of
-milliseconds of host time) and then the capture, which only records. Here the warm-up runs on a thread of its own,
-on a stream of its own: the caller's batches go on meanwhile, on arms that are ready; the cache records the graph
-on the caller's thread afterwards (graphs/cache.py). The caller's thread, which launches kernels in Python too,
-shares the interpreter with the warm-up meanwhile; neither a shorter thread switch interval (0.5 ms against the
-default 5) nor warm-ups on the caller's own thread changed a first pass beyond the noise (HF bert-base on the 24 CoRa
-rows, H200 and H100; RESULTS.md). Sending the warm-up's Triton compiles to a child process, which frees the
-interpreter while they run, did not pay either: with an empty kernel cache the first graph came at 14-16 s against
-8, the caller's batches meanwhile no faster (H100, RESULTS.md).
-
-A job is a callable that makes and returns a graph; its result (the graph, or the exception) goes to the job's
-`done` callback, called on this thread.
+milliseconds of host time) and then the capture, which only records. The warm-up runs here, on a stream of its own,
+while the caller's batches go on on arms that are ready; the cache records the graph on the caller's thread
+afterwards (graphs/cache.py). A job is a callable that makes and returns a graph; its result (the graph, or the
+exception) goes to the job's `done` callback, called on this thread.
 """
 
 from __future__ import annotations

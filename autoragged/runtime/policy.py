@@ -3,16 +3,13 @@
 Per shape (`ShapeKey`: the batch size, the padded length's rung, and whether only a device mask came) the
 runtime keeps a `ShapeState`, and one rule decides:
 
-1. An arm's cost is the cost model's prediction for the batch scaled by how far the model was off for that arm:
-   on this shape once the arm is timed there (the median of its recent timed / predicted ratios, so timings taken
-   on batches of other token counts price this one; a batch that compiled a kernel or ran beside a graph's warm-up
-   is no timing), until then on the module's other shapes, else on the arms this shape has timed (in training,
-   else on the arms the module has timed). It is never less than the median host time of the arm's recent timed
-   calls on this shape, known when each call returns (a host-bound arm's cost does not shrink with the batch's
-   tokens, and HF's padded forward took up to 0.7 s at its first call on a new shape while that timing waited
-   behind the queued GPU work), nor, where it has none here, the least host time its calls took on any shape of
-   the module (`Scales`). Training's start from the device's recorded training costs (`tune --train`, earlier
-   processes' timed training batches), which the module's own timings push out.
+1. An arm's cost is the cost model's prediction times how far the model was off for that arm: the median timed /
+   predicted ratio of its recent timings on this shape; until it has some, of its timings on the module's other
+   shapes (`Scales`); else of the other arms' on this shape; else, in training, of every arm's on the module (whose
+   ratios start from the device's recorded training costs). A batch that compiled a kernel or ran beside a graph's
+   warm-up is no timing. The cost is never below the median host time of the arm's timed calls here, or, with no
+   timing here, the least of its calls anywhere: a host-bound arm's cost does not shrink with the tokens (HF's
+   padded forward took up to 0.7 s at its first call on a new shape).
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
    of the background worker (graphs/worker.py), and runs once it is there.
 3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
@@ -21,9 +18,7 @@ runtime keeps a `ShapeState`, and one rule decides:
    other arms' timings are forgotten: those priced within TRY_WITHIN again are tried anew.
 4. The running arm is timed until it has MIN_SAMPLES timings, then every `sample_every`-th batch of the shape.
 5. Exploring (`autoragged.warmup`), a ready arm with no timing on the shape, none on its way, runs at once whatever
-   its cost: warm-up pays the trials traffic would otherwise meet on the shape (an untimed arm's price follows the
-   module's other shapes, which later shapes move: after a warm-up that had not timed it, one trial of the eager
-   arm added 16 ms to a row of 16 batches at 3.7 ms).
+   its cost: warm-up pays the trials traffic would otherwise meet on the shape.
 
 The eager ragged arm needs the batch's lengths: on a shape whose mask came alone it reads them (a device->host
 copy, a sync), and its timings, taken from before the read, include what the read costs the stream. So a mask is
@@ -40,18 +35,8 @@ from typing import NamedTuple
 
 from ..tuning_db import BatchStats
 
-__all__ = [
-    "ShapeKey",
-    "ShapeState",
-    "Scales",
-    "Choice",
-    "choose",
-    "started",
-    "observe",
-    "TRY_WITHIN",
-    "MIN_SAMPLES",
-    "WINDOW",
-]
+__all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "started", "observe", "TRY_WITHIN", "MIN_SAMPLES",
+           "WINDOW"]  # fmt: skip
 
 # An arm predicted within this factor of the running one is worth timing: the prior leaves out most host time,
 # and a stream pays every arm tried (HF's padded forward took 549 ms at its first run on a new shape where the
@@ -76,13 +61,11 @@ class ShapeKey(NamedTuple):
 
 @dataclass
 class ShapeState:
-    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings, each as
-    timed / predicted ms of its batch;
-    host_ms: each arm kind's recent timed batches here, their host ms (rule 1);
-    stats: the latest batch whose lengths reached the host (an unread batch is predicted with them); unread: the
-    record of the latest batch not read, whose stats are on their way to the host; trying: the arm being tried and
-    its batches left; retry_at: the batch count of the next fresh timing of the runner-up; explored: batches run
-    by rule 5."""
+    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings, as timed /
+    predicted ms; host_ms: each arm kind's recent host ms here (rule 1); stats: the latest batch whose lengths
+    reached the host (an unread batch is predicted with them); unread: the record of the latest batch not read,
+    whose stats are on their way; trying: the arm on trial, tries_left its batches left; retry_at: the batch count
+    of the runner-up's next fresh timing; explored: batches run by rule 5."""
 
     batches: int = 0
     timed: dict[str, deque] = field(default_factory=dict)
@@ -98,15 +81,13 @@ class ShapeState:
 @dataclass
 class Scales:
     """What a module's timed batches say of each arm kind on shapes not timed yet: how far the cost model is off
-    (timed / predicted ms, the recent ones), and the least host time a call took. The prior leaves most host time
-    out: the eager arm's launches take 12-15 ms a batch of bert-base on a slow host whatever the batch, ten times
-    its GPU work on the short rows, so a scale learnt on the long rows alone would under-price it there.
+    (timed / predicted ms, the recent ones), and the least host time a call took (the prior leaves most host time
+    out: the eager arm's launches took ten times its GPU work on bert-base's short rows).
 
-    shared: an arm the module has not timed anywhere, on a shape where no arm is timed yet, takes the scale of the
-    arms the module has timed (pooled). Set for training, whose timings hold the backward the forward-only prior
-    leaves out, every arm's alike: priced at its bare prior next to a timed ragged arm, HF's padded arm looked the
-    cheaper and ran 5-11 of 28 steps of a Qwen2.5-0.5B SFT, at 170 ms a step against 90 (H100). Inference arms
-    differ in host time (a graph has none), so there each keeps its own."""
+    shared: an arm the module has not timed anywhere, on a shape where no arm is timed yet, takes the pooled scale
+    of the arms the module has timed. Set for training, whose timings hold the backward the forward-only prior
+    leaves out, every arm's alike (at its bare prior HF's padded arm looked the cheaper and ran 5-11 of 28 steps of
+    a Qwen2.5-0.5B SFT at 170 ms a step against 90). Inference arms differ in host time, so each keeps its own."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     host_ms: dict[str, float] = field(default_factory=dict)

@@ -23,13 +23,11 @@ __all__ = ["Record", "PadsRing", "PadsSlot", "Timers", "quiet_mark"]
 class Record:
     """A decision on its way out: cheap to make on the hot path, a `Decision` when read.
 
-    The stats of a batch whose lengths were not read on the hot path arrive later: its per-row pad counts
-    reach a pinned host slot without waiting (stored there by the mask graph's replay, or copied by `defer`),
-    and the first read of `stats` (the recorder's thread, a harvest, `recent_decisions`) waits for them. The
-    wait makes no CUDA call: the slot was filled with -1 (never a pad count) before, and the counts have
-    landed when no -1 is left. A CUDA
-    call from the recorder's thread (an event sync) while any thread captures a CUDA graph in PyTorch's
-    default global mode invalidates that capture (seen on the H100: a user's capture failed)."""
+    The stats of a batch whose lengths were not read arrive later: its pad counts reach a pinned host slot without
+    waiting (stored by the mask graph's replay, or copied by `defer`), and the first read of `stats` waits for them.
+    The wait makes no CUDA call: the slot was filled with -1 (never a pad count), and the counts have landed when
+    no -1 is left (an event sync from the recorder's thread while a thread captured a graph made that capture fail,
+    H100)."""
 
     __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
 
@@ -127,15 +125,11 @@ class PadsSlot(NamedTuple):
 
 class PadsRing:
     """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay stores
-    a batch's counts in its slot itself (kernels/masked_pack.py `post_pads`; a copy after each replay cost a
-    stream 5-20 us a batch), the padded arm's come by one non-blocking copy; one event per batch, no allocation.
-    Once per round of `slots` batches, before slot 0 is reused, the counts of records nobody has read yet move
-    off the ring in one clone (after the round's last batch has completed: long done, unless the host ran a
-    round ahead of the device); records read earlier resolve themselves: resolving one old record per batch (its
-    copy-out and BatchStats) cost 53 us a batch on an H100 host.
-    A slot reads -1 until its counts land (a pad count is never -1: `Record.stats` polls, no CUDA call): the
-    whole buffer is filled with -1 when made and at each round's release, and each batch B's slot views are made
-    once, not per batch (a fill and a view per batch were two more PyTorch calls on the hot path)."""
+    a batch's counts in its slot itself (kernels/masked_pack.py `post_pads`; a copy after each replay cost 5-20 us a
+    batch), the padded arm's come by one non-blocking copy; one event per batch, no allocation. Once per round of
+    `slots` batches, before slot 0 is reused, the counts of records nobody has read yet move off the ring in one
+    clone. A slot reads -1 until its counts land: the buffer is filled with -1 when made and at each round's
+    release, and each batch size's slot views are made once."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
