@@ -15,7 +15,8 @@ How a graph takes its batch (`GraphKey.lengths_from`):
     "values":  a RaggedTensor's values, copied in and out.
 `GraphKey.inputs` "ids" / "ids_tt": the graph runs the body's embedding step too, on static token ids (and types)
 each replay fills. A mask graph whose body gives that step as tables (`Body.embed_tables`, the BERT family)
-embeds the real tokens only, straight into their packed rows (kernels/masked_embed.py).
+embeds the real tokens only, straight into their packed rows (kernels/masked_embed.py); otherwise the body's
+module runs over the whole (batch, width) buffer.
 
 Per batch the host writes the args (pointers, strides, sizes, lengths) into a slot of a pinned ring that the
 graph's first kernel reads (kernels/graph_args.py): no host->device copy, no sync, no Triton launch from Python.

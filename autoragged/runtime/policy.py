@@ -81,8 +81,9 @@ class ShapeState:
 @dataclass
 class Scales:
     """What a module's timed batches say of each arm kind on shapes not timed yet: how far the cost model is off
-    (timed / predicted ms, the recent ones), and the least host time a call took (the prior leaves most host time
-    out: the eager arm's launches took ten times its GPU work on bert-base's short rows).
+    (timed / predicted ms, the recent ones), and the least host time a call took: the prior leaves most host time
+    out (the eager arm's launches took ten times its GPU work on bert-base's short rows), so a scale learnt on the
+    long rows alone would under-price the short ones.
 
     shared: an arm the module has not timed anywhere, on a shape where no arm is timed yet, takes the pooled scale
     of the arms the module has timed. Set for training, whose timings hold the backward the forward-only prior

@@ -26,8 +26,8 @@ class Record:
     The stats of a batch whose lengths were not read arrive later: its pad counts reach a pinned host slot without
     waiting (stored by the mask graph's replay, or copied by `defer`), and the first read of `stats` waits for them.
     The wait makes no CUDA call: the slot was filled with -1 (never a pad count), and the counts have landed when
-    no -1 is left (an event sync from the recorder's thread while a thread captured a graph made that capture fail,
-    H100)."""
+    no -1 is left (an event sync from the recorder's thread made a user's capture in PyTorch's default global mode
+    fail, H100)."""
 
     __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
 
