@@ -402,44 +402,6 @@ def test_a_requested_graph_warms_up_on_the_worker_thread_and_is_recorded_on_the_
     assert not cache.pending and cache.stats().captures == 1
 
 
-def test_a_batch_waits_for_its_graph_as_long_as_its_arm_and_a_warm_up_take(monkeypatch):
-    """`wait`: no wait before the first warm-up (nothing says how long one takes); then up to the given ms plus
-    the recent warm-ups' median, the graph recorded on the caller's thread if it landed in time, else left pending
-    and recorded later."""
-    import threading
-    import time
-
-    from autoragged.graphs.capture import GraphKey
-
-    cache, worker = _cache(monkeypatch)
-
-    def slow(key, seconds):
-        def make(pool, stream):
-            time.sleep(seconds)
-            return _Graph(key)
-
-        return make
-
-    first, second, third = (GraphKey(8, w, "mask", "x", False) for w in (64, 128, 256))
-    cache.request(first, slow(first, 0.05), "cuda", 1)
-    assert cache.wait(first, 1000.0) == 0.0 and first in cache.pending  # no warm-up timed yet: no wait
-    worker.drain()
-    cache.record_ready()
-    assert cache.lookup(first) is not None and 40 <= cache.warm_ms[0] < 1000
-    cache.request(second, slow(second, 0.05), "cuda", 1)
-    waited = cache.wait(second, 200.0)
-    assert 40 <= waited < 1000 and second in cache.graphs and not cache.pending
-    assert cache.graphs[second].recorded_on is threading.current_thread()
-    cache.warm_ms.clear()
-    cache.warm_ms.append(1.0)
-    cache.request(third, slow(third, 0.5), "cuda", 1)
-    waited = cache.wait(third, 1.0)  # 2 ms at most: it times out
-    assert 1.5 <= waited < 400 and third in cache.pending and third not in cache.graphs
-    worker.drain()
-    cache.record_ready()
-    assert third in cache.graphs and not cache.landed
-
-
 def test_a_batch_replays_a_kept_graph_up_to_four_times_as_wide_the_narrowest_first(monkeypatch):
     from autoragged.graphs.capture import GraphKey
 

@@ -160,32 +160,6 @@ def test_traffic_runs_eagerly_while_its_graph_is_captured_in_the_background_then
     assert [d.stats.total for d in decisions] == [sum(lengths)] * 7
 
 
-def test_once_a_warm_up_was_timed_a_batch_waits_for_its_new_graph_and_replays_it():
-    """Policy rule 2: a batch whose cheapest arm is a graph not made yet waits for its warm-up (up to its ready
-    arm's cost plus the recent warm-ups' median, set long here so that the wait is the warm-up's own time), records
-    it and replays it, the original's output; the next batch replays it without a sync."""
-    enc = autoragged.wrap(encoder(layers=4), db=False, sample_every=0)
-    x, mask = inputs([40, 17, 3, 29, 40, 8])
-    with torch.inference_mode():
-        enc(x, src_key_padding_mask=mask)
-        worker.drain()
-        enc(x, src_key_padding_mask=mask)  # records the first graph: a warm-up timed
-    cache = enc._autoragged.graphs
-    assert len(cache.warm_ms) == 1
-    cache.warm_ms[0] = 60_000.0
-    x2, mask2 = inputs([300, 3, 60, 7, 299, 12], seed=1)
-    with torch.inference_mode():
-        y = enc(x2, src_key_padding_mask=mask2)
-        again = unsynced(lambda: enc(x2, src_key_padding_mask=mask2))
-    want = original(enc, x2, mask2)
-    close(y, want, mask2)
-    close(again, want, mask2)
-    waited, replayed = autoragged.recent_decisions(enc, 2)
-    assert waited.arm == replayed.arm == "ragged_graph" and "wait" in waited.reason, waited
-    (s,) = autoragged.graph_stats(enc).values()
-    assert s.captures == 2 and s.pending == 0
-
-
 def test_a_warm_up_in_the_background_while_the_caller_keeps_the_gpu_busy_is_right():
     """The graph's warm-up run on the worker's thread and stream: the caller's eager batches on the default stream
     neither break it nor are broken by it, and the graph it leaves records and replays right, also where the zeroing

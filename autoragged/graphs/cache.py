@@ -3,8 +3,7 @@
 A graph is asked for by its `GraphKey` and made by a callable the runtime gives (graphs/capture.py); this file
 knows nothing else of the module. `request` hands the warm-up run to the background worker (graphs/worker.py);
 `record_ready`, called after a batch's work is queued, records the warmed graphs on the caller's thread (a capture
-forbids device-wide syncs in every thread); `wait` lets the batch that asked wait for its warm-up (runtime/policy.py
-rule 2). `capture_now` does both on the caller's thread (the tuner, forced arms).
+forbids device-wide syncs in every thread). `capture_now` does both on the caller's thread (the tuner, forced arms).
 
 A batch replays the kept graph of its key, or the narrowest one of the same batch size, inputs and causality up to
 `_SERVES` times as wide: the layers stop at the counted rows, so spare width costs little (bert-base MNLI B=128:
@@ -20,8 +19,6 @@ updates are seen; parameters given new storage drop every graph (`check_params`)
 from __future__ import annotations
 
 import logging
-import statistics
-import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -95,9 +92,6 @@ class GraphCache:
         self.pending: set[GraphKey] = set()
         self.failed: dict[GraphKey, str] = {}
         self.done: deque[_Warmed] = deque()  # from the worker's thread
-        self.landed: set[GraphKey] = set()  # the keys in `done` (a set: the worker's thread adds to it)
-        self.warm_ms: deque[float] = deque(maxlen=8)  # the recent warm-ups' host ms (`wait`)
-        self._arrived = threading.Event()  # set by the worker's thread at each warm-up it finishes
         self.pool = None
         self.captures, self.capture_ms, self.evictions = 0, 0.0, 0
         self.kept_bytes = 0
@@ -145,8 +139,6 @@ class GraphCache:
         def done(result, error):
             graph, ms = result if result is not None else (None, 0.0)
             self.done.append(_Warmed(key, graph, error, ms, nbytes, pool, worker.stream(device, "capture")))
-            self.landed.add(key)
-            self._arrived.set()
 
         worker.submit(job, done)
         return True
@@ -157,7 +149,6 @@ class GraphCache:
             warmed = self.done.popleft()
             key, error = warmed.key, warmed.error
             self.pending.discard(key)
-            self.landed.discard(key)
             if error is None and warmed.pool is self.pool:  # (a pool dropped meanwhile: asked for again if wanted)
                 t0 = time.perf_counter()
                 try:
@@ -166,7 +157,6 @@ class GraphCache:
                     error = e
                 else:
                     self._keep(key, warmed.graph, warmed.ms + (time.perf_counter() - t0) * 1e3, warmed.nbytes)
-                    self.warm_ms.append(warmed.ms)
             if error is not None:
                 reason = (
                     f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
@@ -175,21 +165,6 @@ class GraphCache:
                 )
                 self.failed[key] = reason
                 log.warning("autoragged: CUDA graph capture failed for %s, running eagerly: %s", key, reason)
-
-    def wait(self, key: GraphKey, ms: float) -> float:
-        """Wait for the warm-up of pending `key` up to `ms` plus the recent warm-ups' median (no wait before the
-        first), then record what landed; returns the ms waited (0.0: no wait). `key` is kept if it landed."""
-        if key not in self.pending or not self.warm_ms:
-            return 0.0
-        t0 = time.perf_counter()
-        deadline = t0 + (ms + statistics.median(self.warm_ms)) / 1e3
-        while key not in self.landed:
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self._arrived.wait(left):
-                break
-            self._arrived.clear()  # (a key landing meanwhile is in `landed`, which the loop reads first)
-        self.record_ready()
-        return (time.perf_counter() - t0) * 1e3
 
     def capture_now(self, key: GraphKey, make, device, nbytes: int):
         """The graph of `key`, captured on this thread if it is not kept (raises what the capture raised)."""
@@ -213,7 +188,6 @@ class GraphCache:
             log.info("autoragged: parameters moved to new storage; dropping %d CUDA graphs", len(self.graphs))
             worker.drain()  # (a capture in flight read the old storage)
             self.done.clear()
-            self.landed.clear()
             self.pending.clear()
             self.clear()
         self._ptrs = ptrs

@@ -272,23 +272,16 @@ class Runtime:
         scales = self.train_scales if key.train else self.scales
         choice = policy.choose(shape, predicted, ready, self.sample_every, scales, self.exploring)
         why = f"{choice.why}: {predictions.note}" if choice.why == "predicted" else choice.why
-        kind, waited = choice.kind, 0.0
         if choice.want == "ragged_graph":
-            asked = self._request_graph(module, gkey, stats, call)
+            self._request_graph(module, gkey, stats, call)
             why += f"; {CAPTURING}"
-            waited = self.graphs.wait(asked, choice.wait_ms) if asked is not None and choice.wait_ms > 0 else 0.0
-            came = self.graphs.lookup(gkey) if waited else None
-            if came is not None:  # (policy rule 2)
-                kind, graph = "ragged_graph", came
-                why += f", replayed after a {waited:.1f} ms wait"
         elif unavailable is not None:
             why += f"; {NO_GRAPH}: {unavailable}"
-        arm = predictions.arms[kind]
-        if kind == "ragged":
+        arm = predictions.arms[choice.kind]
+        if choice.kind == "ragged":
             arm = Arm("ragged", _aligned(arm.config, call, key))
-        graph = graph if kind == "ragged_graph" else None
-        # a batch that waited (and recorded what landed) is no timing of its arm
-        return _Decision(arm, choice.timed and not waited, why, predictions.ms, graph, True)
+        graph = graph if choice.kind == "ragged_graph" else None
+        return _Decision(arm, choice.timed, why, predictions.ms, graph, True)
 
     # -- lengths and stats -----------------------------------------------------------------------------
     def _known_lengths(self, call) -> tuple[tuple[int, ...] | None, int | None]:
@@ -410,17 +403,17 @@ class Runtime:
 
         return make, _graph_bytes(self.sig, gkey, p.element_size())
 
-    def _request_graph(self, module, gkey: GraphKey, stats: BatchStats, call) -> GraphKey | None:
+    def _request_graph(self, module, gkey: GraphKey, stats: BatchStats, call) -> None:
         """Ask for the graph of `gkey`, twice as wide (within the longest sequence the model takes): it also serves
         the wider batches that follow, where a graph of each width was a capture each (CoLA B=128's widths of
-        26-33 tokens met two). Returns the key if asked now, else None (pending, kept or failed)."""
+        26-33 tokens met two)."""
         limit = getattr(self.body, "max_tokens", None)
         width = min(2 * gkey.width, mask_width(limit)) if limit else 2 * gkey.width
         gkey = gkey._replace(width=max(width, gkey.width))
         if gkey in self.graphs.pending:  # (asked for already: each batch of the shape asks until it is there)
-            return None
+            return
         make, nbytes = self._graph_make(module, gkey, stats.total)
-        return gkey if self.graphs.request(gkey, make, call.device, nbytes) else None
+        self.graphs.request(gkey, make, call.device, nbytes)
 
     def graph(self, module, call, stats: BatchStats):
         """The graph that runs `call`, captured now on this thread where it is not kept (the tuner and the forced

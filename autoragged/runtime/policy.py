@@ -11,12 +11,7 @@ runtime keeps a `ShapeState`, and one rule decides:
    timing here, the least of its calls anywhere: a host-bound arm's cost does not shrink with the tokens (HF's
    padded forward took up to 0.7 s at its first call on a new shape).
 2. The cheapest arm that is ready runs. A graph is ready once captured; a graph that would be the cheapest is asked
-   of the background worker (graphs/worker.py), and runs once it is there. The batch that asks for it waits for it
-   as long as its ready arm would take beside a warm-up (that arm's cost, plus the recent warm-ups' median): the two
-   take turns on the interpreter, so the wait costs no more (bert-base's first batch of a new width on an H100:
-   27 ms a call for an eager run beside the warm-up and the record, against a warm-up of 6-7 ms alone). The
-   batches after it do not wait: a warm-up that compiles took 352 ms (bert-base's first B=64 graph), and ptxas, a
-   child process, leaves the interpreter to the caller meanwhile.
+   of the background worker (graphs/worker.py), and runs once it is there.
 3. Once the running arm has MIN_SAMPLES timings, an arm not timed yet that costs within TRY_WITHIN of it is tried
    for up to MIN_SAMPLES batches (a graph among them is asked for at once, so that it is there for its trial): the
    trial ends early once the arm's timings price it beyond TRY_WITHIN. Every RETRY_EVERY batches of the shape, the
@@ -128,15 +123,12 @@ EXPLORING = "exploring it (no timing on this shape yet)"
 
 class Choice(NamedTuple):
     """The arm kind that runs, whether its batch is timed, the graph-arm kind whose capture is wanted (or None),
-    why this arm (for the decision record), and how long the batch may wait for the wanted graph (rule 2: the
-    running arm's cost where the wanted graph is the cheapest arm and no trial or exploring picked the arm; else
-    0)."""
+    and why this arm (for the decision record)."""
 
     kind: str
     timed: bool
     want: str | None
     why: str
-    wait_ms: float = 0.0
 
 
 def costs(state: ShapeState, predicted: dict[str, float], scales: Scales | None = None) -> dict[str, float]:
@@ -164,7 +156,7 @@ def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], samp
     state.batches += 1
     cost = costs(state, predicted, scales)
     best = min(cost, key=cost.__getitem__)
-    run = cheapest = min((k for k in cost if k in ready), key=cost.__getitem__)
+    run = min((k for k in cost if k in ready), key=cost.__getitem__)
     close = sorted((k for k in cost if k != run and cost[k] <= TRY_WITHIN * cost[run]), key=cost.__getitem__)
     untried = [k for k in close if not state.timed.get(k)]
     want = best if best not in ready else next((k for k in untried if k not in ready), None)
@@ -190,8 +182,7 @@ def choose(state: ShapeState, predicted: dict[str, float], ready: set[str], samp
         if new and run not in new:
             run, why, timed = min(new, key=cost.__getitem__), EXPLORING, True
             state.explored += 1
-    wait_ms = cost[run] if want is not None and want == best and run == cheapest and cost[run] < math.inf else 0.0
-    return Choice(run, timed and sample_every > 0, want, why, wait_ms)
+    return Choice(run, timed and sample_every > 0, want, why)
 
 
 def _trial(state: ShapeState, run: str, untried: list[str], close: list[str]) -> str | None:
