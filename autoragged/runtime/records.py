@@ -128,9 +128,9 @@ class PadsRing:
     a batch's counts in its slot itself (kernels/masked_pack.py `post_pads`; a copy after each replay cost 5-20 us a
     batch), the padded arm's come by one non-blocking copy; one event per batch, no allocation. Once per round of
     `slots` batches, before slot 0 is reused, the counts of records nobody has read yet move off the ring in one
-    clone (resolving one old record a batch cost 53 us a batch on an H100 host). A slot reads -1 until its counts
-    land: the buffer is filled with -1 when made and at each round's release, and each batch size's slot views are
-    made once."""
+    clone (resolving one old record a batch took 53 us a batch under cProfile, H100 host). A slot reads -1 until its
+    counts land: the buffer is filled with -1 when made and at each round's release, and each batch size's slot
+    views are made once."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
