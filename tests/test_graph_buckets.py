@@ -445,6 +445,23 @@ def test_the_graph_serving_a_key_follows_every_change_of_the_kept_graphs(monkeyp
     assert cache.lookup(narrow) is None
 
 
+def test_dropping_the_graphs_gives_their_memory_back(monkeypatch):
+    """A pool whose graphs were all freed stays reserved until `empty_cache`: `clear` (parameters moved) calls it
+    where it dropped graphs (tests/test_graphs_cuda.py measures the memory)."""
+    from autoragged.graphs import cache as _cache_module
+    from autoragged.graphs.capture import GraphKey
+
+    cache, _ = _cache(monkeypatch)
+    emptied = []
+    monkeypatch.setattr(_cache_module.torch.cuda, "empty_cache", lambda: emptied.append(True))
+    cache.clear()
+    assert emptied == []  # nothing was dropped
+    key = GraphKey(8, 64, "mask", "ids", False)
+    cache.capture_now(key, lambda pool, stream: _Graph(key), "cuda", 1)
+    cache.clear()
+    assert emptied == [True] and cache.pool is None and cache.lookup(key) is None
+
+
 def test_a_failed_capture_is_remembered_and_the_cap_evicts_the_least_recently_used(monkeypatch, caplog):
     from autoragged.graphs.capture import GraphKey
 
