@@ -11,6 +11,7 @@ as F.gelu after it, as torch.compile's and the eager arm's products run).
 
     python benchmarks/diagnostics/linear_tiles.py                 # CoRa, BERT-base, MiniLM shapes, 400..23302 rows
     python benchmarks/diagnostics/linear_tiles.py --rows 512 2048 --shapes qkv ff2
+    python benchmarks/diagnostics/linear_tiles.py --kernels tma --results benchmarks/results   # TMA only, kept
 
 Prints the best config per (shape, rows). The table
 `kernels/ragged_linear.py::default_config` picks from comes from this benchmark.
@@ -29,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from autoragged.kernels import ragged_linear as k_lin  # noqa: E402
 from autoragged.kernels.config import KernelConfig  # noqa: E402
 
-from benchmarks._common import geomean, header, require_cuda, table  # noqa: E402
+from benchmarks._common import geomean, header, record, require_cuda, table  # noqa: E402
 
 # (name, N, K, activation): the four linears of the CoRa encoder (d 512, ff 2048, relu), BERT-base (768, 3072, gelu)
 # and the MiniLM shape (384, 1536, gelu)
@@ -43,6 +44,8 @@ ROWS = [400, 1000, 2000, 2811, 4000, 5511, 7472, 11560, 23302]
 TILES = [  # (block_m, block_n, block_k, warps, stages)
     (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+    # deeper pipelines for the deep weights (ff2's K of 3,072 is a 48-step loop): 160-212 KB of shared memory
+    (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 128, 8, 3),
 ]  # fmt: skip
 KERNELS = {"tma": None, "ptr": False}  # ragged_linear's `tma` argument
 TIMED = ("cublas", "tma_best", "tma_default", "ptr_best", "ptr_default")
@@ -73,7 +76,7 @@ def graph_ms(fn, replays: int = 15) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench(shape: str, rows: int) -> dict:
+def bench(shape: str, rows: int, kernels: dict) -> dict:
     n, k, act = SHAPES[shape]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(rows)
@@ -89,7 +92,7 @@ def bench(shape: str, rows: int) -> dict:
     configs = {f"m{bm}n{bn}k{bk}w{wp}s{st}": KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
                                                            num_stages=st) for bm, bn, bk, wp, st in TILES}  # fmt: skip
     configs["default"] = k_lin.default_config(n, k, rows, act)
-    for kernel, tma in KERNELS.items():
+    for kernel, tma in kernels.items():
         ours = {}
         for name, c in configs.items():
             y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=dev)
@@ -111,30 +114,36 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--results", help="append the rows (every config's time) to <folder>/linear_tiles.jsonl")
     args = p.parse_args(argv)
     require_cuda("benchmarks/diagnostics/linear_tiles.py")
     header("Triton linear tiles at graph row counts (fp16, live rows, in a CUDA graph)")
     rows = []
     for shape in args.shapes:
         for r in args.rows:
-            rows.append(bench(shape, r))
+            rows.append(bench(shape, r, {k: KERNELS[k] for k in args.kernels}))
             x = rows[-1]
-            cells = " ".join(f"{c}={x[f'{c}_ms'] * 1e3:6.1f}us" for c in TIMED)
-            print(f"  {shape:8s} rows={r:6d} {cells} (TMA best {x['tma_best']})", flush=True)
-    us = [{**r, **{f"{c}_us": r[f"{c}_ms"] * 1e3 for c in TIMED}} for r in rows]
+            cells = " ".join(f"{c}={x[f'{c}_ms'] * 1e3:6.1f}us" for c in TIMED if f"{c}_ms" in x)
+            best = " ".join(f"{k} best {x[f'{k}_best']}" for k in args.kernels)
+            print(f"  {shape:8s} rows={r:6d} {cells} ({best})", flush=True)
+    timed = [c for c in TIMED if f"{c}_ms" in rows[0]]
+    us = [{**r, **{f"{c}_us": r[f"{c}_ms"] * 1e3 for c in timed}} for r in rows]
+    names = {"tma": "TMA", "ptr": "pointer"}
+    columns = [("shape", "shape", ""), ("rows", "rows", "d"), ("cublas_us", "cuBLAS", ".1f"),
+               ("default_config", "default config", "")]  # fmt: skip
+    for k in args.kernels:
+        columns += [(f"{k}_best_us", f"{names[k]} best", ".1f"), (f"{k}_best", f"{names[k]} best config", ""),
+                    (f"{k}_default_us", f"{names[k]} default", ".1f"),
+                    (f"{k}_default_vs_cublas", f"cuBLAS/{names[k]} default", ".2f")]  # fmt: skip
     print("\n## Triton linear in a CUDA graph, us per call (cuBLAS / ours: > 1 means ours is faster)\n")
-    print(table(us, [
-        ("shape", "shape", ""), ("rows", "rows", "d"), ("cublas_us", "cuBLAS", ".1f"),
-        ("tma_best_us", "TMA best", ".1f"), ("tma_best", "TMA best config", ""),
-        ("tma_default_us", "TMA default", ".1f"),
-        ("default_config", "default config", ""), ("ptr_best_us", "pointer best", ".1f"),
-        ("ptr_default_us", "pointer default", ".1f"), ("tma_default_vs_cublas", "cuBLAS/TMA default", ".2f"),
-        ("ptr_default_vs_cublas", "cuBLAS/pointer default", ".2f"),
-    ]))  # fmt: skip
-    for kernel in KERNELS:
+    print(table(us, columns))
+    for kernel in args.kernels:
         for which in ("best", "default"):
             ratios = [r[f"{kernel}_{which}_vs_cublas"] for r in rows]
             print(f"cuBLAS / {kernel} {which}: geomean {geomean(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
+    if args.results:
+        record("linear_tiles", args, rows)
     return 0
 
 
