@@ -295,7 +295,7 @@ def test_masked_embedding_writes_each_real_token_where_pack_puts_it(
     """The mask graph's embedding step: word + type + position tables and the LayerNorm, computed for the real
     tokens only, each into the packed row the mask's layout gives it, whatever the padding pattern; positions
     from the columns or counted from the ids (RoBERTa), column 0 of left-padded rows as one more row with
-    first_column, spans of several programs per row (L > 64); nothing else written."""
+    first_column, spans of several programs per row (L > 16); nothing else written."""
     from autoragged.kernels import masked_embed
 
     g = torch.Generator().manual_seed(2)
