@@ -44,7 +44,7 @@ ROWS = [400, 1000, 2000, 2811, 4000, 5511, 7472, 11560, 23302]
 TILES = [  # (block_m, block_n, block_k, warps, stages)
     (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-    # deeper pipelines for the deep weights (ff2's K of 3,072 is a 48-step loop): 160-212 KB of shared memory
+    # deeper pipelines for the deep weights (ff2's K of 3,072 is a 48-step loop): 144-208 KB of shared memory
     (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 128, 8, 3),
 ]  # fmt: skip
 KERNELS = {"tma": None, "ptr": False}  # ragged_linear's `tma` argument
