@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = ["silu_mul", "silu_mul_ref", "silu_mul_backward", "silu_mul_train", "SiluMulFunction"]
@@ -31,7 +32,9 @@ BLOCK_M, BLOCK_F = 4, 1024
 
 
 @triton.jit(do_not_specialize=["M"])
-def _silu_mul_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, M, N, stride_g, stride_u, stride_y, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    wait_prior(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)[None, :]
     mask = (rows < M) & (cols < N)
@@ -62,7 +65,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, inplace: bool = True) -> t
         grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(F, BLOCK_F))
         _silu_mul_kernel[grid](
             gate, up, out, M, F, gate.stride(0), up.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F,
-            num_warps=4,
+            num_warps=4, **launch_kwargs(gate.device),
         )  # fmt: skip
     return out
 

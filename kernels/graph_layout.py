@@ -36,6 +36,7 @@ import torch
 from . import ahead
 from .config import aligned, next_pow2
 from .masked_pack import MASK_ARGS
+from .pdl import launch_kwargs, wait_prior
 from .ragged_pack import ARGS_HEAD
 from .triton_compat import tl, triton
 
@@ -89,7 +90,9 @@ def _layout_kernel(
     FROM_MASK: tl.constexpr,  # lengths counted from the mask args point at (kernels/masked_pack.py)
     BLOCK_L: tl.constexpr,
     FIRST_COL: tl.constexpr,  # (from a mask) a left-padded row's column 0 as one more, query-only, row
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     pid = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     real = b < batch
@@ -156,7 +159,8 @@ def layout(
     block_b = next_pow2(max(batch, 1))
     block_p = max(16, min(1024, 8192 // block_b))  # the (BLOCK_P, BLOCK_B) comparison stays small
     kernel_args = (args, meta, batch, programs, *starts(batch, programs))
-    sizes = dict(HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_L=max(16, 4096 // block_b), num_warps=4)
+    sizes = dict(HEAD=ARGS_HEAD, BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_L=max(16, 4096 // block_b), num_warps=4,
+                 **launch_kwargs(args.device))  # fmt: skip
     if ahead.first_sight(("layout", args.device, block_b), args):
         _compile_siblings(kernel_args, sizes, (block_m, align, from_mask, first_column))
     _layout_kernel[(triton.cdiv(programs, block_p),)](

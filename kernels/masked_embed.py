@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from .config import next_pow2
 from .masked_pack import MASK_ARGS, batch_row, real_before
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = ["Tables", "embed_masked", "embed_masked_ref", "positions_ref"]
@@ -79,8 +80,9 @@ def _masked_embed_kernel(
     values_ptr, offsets_ptr, D, stride_vt, eps, pad_id, n_words, n_positions, n_types,
     HAS_TYPES: tl.constexpr, TYPES_GIVEN: tl.constexpr, HAS_BIAS: tl.constexpr, POS_FROM_IDS: tl.constexpr,
     FIRST_COL: tl.constexpr,
-    SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     b = tl.program_id(0)
     t_start = tl.program_id(1) * SPAN
     n_rows, L, mask_row, stride_ml = batch_row(args_ptr, b)
@@ -176,7 +178,7 @@ def embed_masked(args, ids, types, tables: Tables, values, offsets, batch: int, 
         tables.word.shape[0], tables.position.shape[0], type_table.shape[0],
         HAS_TYPES=tables.token_type is not None, TYPES_GIVEN=types is not None, HAS_BIAS=tables.bias is not None,
         POS_FROM_IDS=tables.pad_position is not None, FIRST_COL=first_column,
-        SPAN=_SPAN, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        SPAN=_SPAN, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **launch_kwargs(values.device),
     )  # fmt: skip
     return values
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from .config import next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = ["pack_masked", "unpack_masked", "post_pads", "pack_masked_ref", "unpack_masked_ref", "post_pads_ref",
@@ -83,7 +84,9 @@ def _masked_kernel(
     BLOCK_D: tl.constexpr,
     UNPACK: tl.constexpr,
     FIRST_COL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     b = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
     n_rows, L, mask_row, stride_ml = batch_row(args_ptr, b)
@@ -132,6 +135,7 @@ def _launch(args, values, offsets, batch: int, width: int, unpack: bool, first_c
     _masked_kernel[(batch, triton.cdiv(width, BLOCK_T))](
         args, values, offsets, D, values.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_D=min(next_pow2(D), _MAX_BLOCK_D), UNPACK=unpack, FIRST_COL=first_column, num_warps=4,
+        **launch_kwargs(values.device),
     )  # fmt: skip
 
 
@@ -150,7 +154,8 @@ def unpack_masked(args, values, offsets, batch: int, width: int, first_column=Fa
 
 
 @triton.jit
-def _post_pads_kernel(args_ptr, lengths_ptr, width, BLOCK_B: tl.constexpr):
+def _post_pads_kernel(args_ptr, lengths_ptr, width, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     dst = tl.load(args_ptr + 11)  # ARG_PADS
     if dst != 0:
         b = tl.arange(0, BLOCK_B)
@@ -169,7 +174,8 @@ def post_pads(args, lengths, width: int, batch: int) -> None:
             f"lengths must be int32 of at least {batch} elements, got {lengths.dtype} of {lengths.numel()}"
         )
     if batch > 0:
-        _post_pads_kernel[(1,)](args, lengths, width, BLOCK_B=next_pow2(batch), num_warps=1)
+        _post_pads_kernel[(1,)](args, lengths, width, BLOCK_B=next_pow2(batch), num_warps=1,
+                                **launch_kwargs(args.device))  # fmt: skip
 
 
 def _rows_of(mask_row: torch.Tensor, first_column: bool) -> torch.Tensor:

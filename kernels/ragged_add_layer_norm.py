@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from .config import KernelConfig, _identity, next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .ragged_linear import check_live, persistent_programs
 from .triton_compat import tl, triton
 
@@ -74,8 +75,9 @@ def _add_layer_norm_kernel(
     X, R, Wt, Bs, Y, S, Live, M, N, eps,
     stride_x, stride_r, stride_y, stride_s,
     HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     if HAS_LIVE:  # only rows < *Live are needed: a fixed grid walks their blocks (kernels/ragged_linear.py)
         blocks = tl.cdiv(tl.minimum(tl.load(Live), M), BLOCK_M)
         for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
@@ -154,6 +156,7 @@ def add_layer_norm(
         total.stride(0) if total is not None else 0,
         HAS_RES=residual is not None, STORE_SUM=store_sum, HAS_W=weight is not None, HAS_B=bias is not None,
         HAS_LIVE=live is not None, BLOCK_M=config.block_m, BLOCK_N=next_pow2(N), num_warps=config.num_warps,
+        **launch_kwargs(x.device, wrap),
     )  # fmt: skip
     return out, total
 

@@ -53,6 +53,7 @@ from torch.library import triton_op, wrap_triton
 
 from . import ahead
 from .config import KernelConfig, _identity, dot_upcast, next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = [
@@ -171,8 +172,9 @@ def _ragged_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     GQA_GROUP: tl.constexpr, WINDOW: tl.constexpr, KEYS: tl.constexpr, STORE_LSE: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     pid = tl.program_id(0)
     head = tl.program_id(1)
     comp = tl.load(grid_mapping + pid)
@@ -451,7 +453,8 @@ def ragged_attention(
     )  # fmt: skip
     flags = dict(HEAD_DIM=Dh, BLOCK_D=next_pow2(Dh), CAUSAL=bool(causal), PRECISION=precision,
                  UPCAST=dot_upcast(str(q.dtype)[6:]), GQA_GROUP=H // k.shape[1], WINDOW=kernel_window is not None,
-                 KEYS=key_lengths is not None, STORE_LSE=lse is not None, DROPOUT=dropout is not None)  # fmt: skip
+                 KEYS=key_lengths is not None, STORE_LSE=lse is not None, DROPOUT=dropout is not None,
+                 **launch_kwargs(q.device, wrap))  # fmt: skip
     if wrap is None:
         compile_sibling_tiles(args, flags, config)
     (wrap or _identity)(_ragged_attn_fwd_kernel)[(programs, H)](

@@ -35,6 +35,8 @@ from torch.library import triton_op, wrap_triton
 
 from . import ahead
 from .config import KernelConfig, _identity, dot_upcast, interpreting, next_pow2
+from .pdl import enabled as pdl_enabled
+from .pdl import wait_prior
 from .triton_compat import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -149,8 +151,9 @@ def _linear_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, EVEN_K: tl.constexpr, HAS_LIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     if HAS_LIVE:
@@ -172,11 +175,12 @@ def _linear_tma_kernel(
     x_desc, w_desc, y_desc, Bias, Live, M, N, K,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A persistent grid over the output tiles of the first min(*Live, M) rows (all M without Live), one
     flattened loop over (tile, k): TMA loads of the next tile start while this one's epilogue runs. Loads
     past M or K read zeros and stores past M or N are dropped, by the descriptors' bounds: no masks."""
+    wait_prior(PDL)
     num_n = tl.cdiv(N, BLOCK_N)
     rows = M
     if HAS_LIVE:
@@ -281,7 +285,8 @@ class _Plan(NamedTuple):
     Python, and this took a quarter of a launch's host time (143 us against 106 on an H100's host).
     config: the tiles fitted to shared memory; flags: the kernels' shared constexprs; x_block / w_block / y_block:
     the TMA blocks; programs / pointer_programs: the persistent grids' caps; tma_kwargs / pointer_kwargs: each
-    kernel's constexprs and launch options; sibling: the variant's key for compiling its sibling tiles ahead."""
+    kernel's constexprs and launch options (wrapped_kwargs: the pointer kernel's under torch.compile, which launches
+    without PDL, kernels/pdl.py); sibling: the variant's key for compiling its sibling tiles ahead."""
 
     config: KernelConfig
     flags: dict
@@ -292,23 +297,27 @@ class _Plan(NamedTuple):
     pointer_programs: int
     tma_kwargs: dict
     pointer_kwargs: dict
+    wrapped_kwargs: dict
     sibling: tuple
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(n: int, k: int, dtype: torch.dtype, activation, has_bias: bool, has_live: bool, config: KernelConfig,
-          precision: str, device: torch.device) -> _Plan:  # fmt: skip
+          precision: str, device: torch.device, chain: bool) -> _Plan:  # fmt: skip
     config = fit_shared_memory(config, dtype.itemsize)
     bm, bn = config.block_m, config.block_n
     bk = min(config.block_k, max(16, next_pow2(k)))
     flags = dict(HAS_BIAS=has_bias, ACTIVATION=_ACT_CODE[activation], HAS_LIVE=has_live, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=config.group_m, PRECISION=precision,
-                 UPCAST=dot_upcast(str(dtype)[6:]))  # fmt: skip
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+                 UPCAST=dot_upcast(str(dtype)[6:]), PDL=chain)  # fmt: skip
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=chain)
     sibling = _sibling_key(dtype, device, n, k, flags)
+    pointer = {**flags, "EVEN_K": k % bk == 0, **launch}
+    wrapped = {**pointer, "PDL": False}
+    del wrapped["launch_pdl"]
     return _Plan(config, flags, [bm, bk], [bn, bk], [bm, _store_width(bn)], persistent_programs(device, config),
-                 persistent_programs(device), {**flags, "NUM_STAGES": config.num_stages, **launch},
-                 {**flags, "EVEN_K": k % bk == 0, **launch}, sibling)  # fmt: skip
+                 persistent_programs(device), {**flags, "NUM_STAGES": config.num_stages, **launch}, pointer,
+                 wrapped, sibling)  # fmt: skip
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -417,7 +426,8 @@ def ragged_linear(
     if K == 0:
         return out.copy_(ragged_linear_ref(x, weight, bias, activation))
     precision = "ieee" if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    plan = _plan(N, K, x.dtype, activation, bias is not None, live is not None, config, precision, x.device)
+    plan = _plan(N, K, x.dtype, activation, bias is not None, live is not None, config, precision, x.device,
+                 pdl_enabled(x.device))  # fmt: skip
     bias_arg, live_arg = bias if bias is not None else x, live if live is not None else x
     tiles = -(-M // plan.config.block_m) * -(-N // plan.config.block_n)
     usable = wrap is None and tma_usable(x, weight, out)
@@ -435,7 +445,7 @@ def ragged_linear(
     grid = (tiles if live is None else min(tiles, plan.pointer_programs),)
     (wrap or _identity)(_linear_kernel)[grid](
         x, weight, bias_arg, out, live_arg, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        **plan.pointer_kwargs,
+        **(plan.pointer_kwargs if wrap is None else plan.wrapped_kwargs),
     )  # fmt: skip
     return out
 
@@ -448,7 +458,7 @@ def ragged_linear(
 # compiles and loads them without launching (kernels/ahead.py; the descriptors are of 16-row tensors the caller's
 # thread allocates, M not being specialized on); a launch that comes before its compile has finished compiles it
 # itself.
-_VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST")  # the launcher's flags but tiles
+_VARIANT_FLAGS = ("HAS_BIAS", "ACTIVATION", "HAS_LIVE", "PRECISION", "UPCAST", "PDL")  # the launcher's flags but tiles
 
 
 def _sibling_key(dtype: torch.dtype, device: torch.device, N: int, K: int, flags: dict) -> tuple:
@@ -483,7 +493,8 @@ def compile_sibling_tiles(x, weight, bias_arg, live_arg, N: int, K: int, flags: 
                       "GROUP_M": tiles.group_m}  # fmt: skip
         jobs.append(functools.partial(
             _linear_tma_kernel.warmup, *descs, bias_arg, live_arg, 16, N, K, **tile_flags,
-            NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,),
+            NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            launch_pdl=flags["PDL"], grid=(1,),
         ))  # fmt: skip
     ahead.submit(x.device, jobs, "linear tiles")
 

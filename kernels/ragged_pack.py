@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .config import next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = ["pack", "unpack", "pack_from", "unpack_to", "pack_ref", "unpack_ref", "PACK_BLOCK_M", "ARGS_HEAD"]
@@ -55,7 +56,9 @@ def _pack_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INDIRECT: tl.constexpr,  # src_ptr is the args buffer (module docstring)
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     b = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_M
     start = tl.load(offsets_ptr + b)
@@ -93,7 +96,9 @@ def _unpack_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INDIRECT: tl.constexpr,  # dst_ptr is the args buffer (module docstring); L_out is read from it
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     start = tl.load(offsets_ptr + b)
@@ -149,6 +154,7 @@ def pack(
         BLOCK_D=_block_d(D),
         INDIRECT=False,
         num_warps=4,
+        **launch_kwargs(out.device),
     )
     return out
 
@@ -162,7 +168,7 @@ def pack_from(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, l
         return values
     _pack_kernel[(B, triton.cdiv(max_extent, PACK_BLOCK_M))](
         args, values, offsets, lengths, D, 0, 0, values.stride(0),
-        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4,
+        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4, **launch_kwargs(values.device),
     )  # fmt: skip
     return values
 
@@ -176,7 +182,7 @@ def unpack_to(args: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, l
         return
     _unpack_kernel[(B, triton.cdiv(max_len, PACK_BLOCK_M))](
         values, args, offsets, lengths, D, 0, 0.0, values.stride(0), 0, 0,
-        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4,
+        BLOCK_M=PACK_BLOCK_M, BLOCK_D=_block_d(D), INDIRECT=True, num_warps=4, **launch_kwargs(values.device),
     )  # fmt: skip
 
 
@@ -204,6 +210,7 @@ def unpack(
         BLOCK_D=_block_d(D),
         INDIRECT=False,
         num_warps=4,
+        **launch_kwargs(out.device),
     )
     return out
 

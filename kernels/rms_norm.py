@@ -27,6 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .config import KernelConfig, next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .ragged_linear import persistent_programs
 from .triton_compat import tl, triton
 
@@ -45,7 +46,9 @@ __all__ = [
 def _add_rms_norm_kernel(
     X, R, Wt, Y, S, M, N, eps, stride_x, stride_r, stride_y, stride_s,
     HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -108,7 +111,7 @@ def add_rms_norm(
         x, residual if residual is not None else x, weight, out, total if store else out, M, N, float(eps),
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), total.stride(0) if store else 0,
         HAS_RES=residual is not None, STORE_SUM=store, BLOCK_M=config.block_m, BLOCK_N=next_pow2(N),
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **launch_kwargs(x.device),
     )  # fmt: skip
     return out, total
 

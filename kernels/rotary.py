@@ -24,6 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .config import next_pow2
+from .pdl import launch_kwargs, wait_prior
 from .triton_compat import tl, triton
 
 __all__ = [
@@ -58,10 +59,11 @@ def _rotary_kernel(
     X, C, S, Y, M, H, stride_xr, stride_xh, stride_c, stride_s, stride_yr, stride_yh,
     X2, Y2, H2, stride_x2r, stride_x2h, stride_y2r, stride_y2h,
     HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_H2: tl.constexpr,
-    BLOCK_D: tl.constexpr, TRANSPOSE: tl.constexpr, TWO: tl.constexpr,
+    BLOCK_D: tl.constexpr, TRANSPOSE: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rotates X's H heads (and, with TWO, X2's H2 heads: a layer's queries and keys in one launch, each row's
     cos and sin read once) for BLOCK_R rows."""
+    wait_prior(PDL)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
     for i in range(BLOCK_R):
@@ -128,6 +130,7 @@ def _rotary(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, *, transpose: bool)
         x2, y2, x2.shape[1], x2.stride(0), x2.stride(1), y2.stride(0), y2.stride(1),
         HALF=D // 2, BLOCK_R=block_r, BLOCK_H=block_hs[0], BLOCK_H2=block_hs[-1], BLOCK_D=block_d,
         TRANSPOSE=transpose, TWO=len(xs) == 2, num_warps=4 if tile >= 1024 else 1, enable_fp_fusion=False,
+        **launch_kwargs(x.device),
     )  # fmt: skip
     return outs
 

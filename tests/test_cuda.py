@@ -240,3 +240,44 @@ def test_unread_padded_batches_on_the_gpu_compute_the_call_as_given(given):
     decisions = autoragged.recent_decisions(enc, 3)
     assert all(d.arm == "padded" for d in decisions)
     assert [d.stats.total for d in decisions] == [sum(s) for s in seqs]
+
+
+def test_a_chain_of_pdl_kernels_replays_what_it_computes_eagerly():
+    """With PDL each kernel is launched while the one before it runs and waits for it at its first step
+    (kernels/pdl.py); a wait that did not hold would read rows not written yet. 30 dependent linear + add-norm
+    pairs (the norm reads both kernels back), captured in a graph and replayed, against the same chain run eagerly
+    with a synchronize after every kernel: equal bit for bit."""
+    from autoragged.kernels import pdl
+
+    assert pdl.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9 and pdl._ON)
+    torch.manual_seed(0)
+    weights = [torch.randn(256, 256, device="cuda", dtype=torch.float16) / 16 for _ in range(4)]
+    x0 = torch.randn(3000, 256, device="cuda", dtype=torch.float16)
+    live = torch.tensor([2711], device="cuda", dtype=torch.int32)
+
+    def chain(sync: bool):
+        x = x0
+        for i in range(30):
+            y = ops.linear_values(x, weights[i % 4], live=live)
+            if sync:
+                torch.cuda.synchronize()
+            x = ops.add_layer_norm_values(y, x, None, None, 1e-5, live=live)[0]
+            if sync:
+                torch.cuda.synchronize()
+        return x
+
+    expected = chain(sync=True)[:2711]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        chain(sync=False)  # (compiled already; a warm-up on the capture's stream)
+        graph.capture_begin()
+        out = chain(sync=False)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        graph.replay()
+        x0.add_(0)  # (an unchained PyTorch kernel between replays)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:2711], expected)

@@ -733,7 +733,62 @@ def test_sibling_tiles_are_the_other_row_buckets():
 
     before = set(ahead._seen)
     x = torch.randn(8, 32)
-    flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "PRECISION": "tf32", "UPCAST": False}
+    flags = {"HAS_BIAS": False, "ACTIVATION": 0, "HAS_LIVE": False, "PRECISION": "tf32", "UPCAST": False, "PDL": False}
     key = k_lin._sibling_key(x.dtype, x.device, 16, 32, flags)
     k_lin.compile_sibling_tiles(x, torch.randn(16, 32), None, None, 16, 32, flags, small, key)
     assert ahead._seen == before  # nothing compiled ahead off the GPU
+
+
+# -- programmatic dependent launch (kernels/pdl.py) --------------------------------------------------------------
+def _jit_kernels():
+    """(file, function) for every @triton.jit function of the kernel files."""
+    import ast
+    from pathlib import Path
+
+    import autoragged.kernels as kernels
+
+    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                yield path.name, node
+
+
+def test_every_kernel_that_chains_waits_before_anything_else():
+    """A kernel launched with PDL may start while the kernel before it still runs, so each of its programs must wait
+    before it reads or writes memory (kernels/pdl.py): a kernel that takes the PDL flag waits at its first statement.
+    The encoder and decoder forward kernels take it."""
+    import ast
+
+    chained = set()
+    for name, fn in _jit_kernels():
+        if "PDL" not in [a.arg for a in fn.args.args] or fn.name == "wait_prior":
+            continue
+        body = (
+            fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+        )
+        assert ast.unparse(body[0]) == "wait_prior(PDL)", f"{name}:{fn.name} does not wait first"
+        chained.add(fn.name)
+    assert {"_linear_kernel", "_linear_tma_kernel", "_ragged_attn_fwd_kernel", "_add_layer_norm_kernel",
+            "_layout_kernel", "_masked_kernel", "_masked_embed_kernel", "_post_pads_kernel", "_pack_kernel",
+            "_unpack_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_rotary_kernel"} <= chained  # fmt: skip
+
+
+def test_pdl_is_off_where_nothing_can_chain():
+    """No PDL off CUDA, in the interpreter, or through torch.compile's launcher (wrap_triton)."""
+    from autoragged.kernels import pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
+    assert pdl.launch_kwargs(torch.device("cuda", 0), wrap=ops) == {"PDL": False}
+    if interpreting():
+        assert not pdl.enabled(torch.device("cuda", 0))
+
+
+def test_pdl_can_be_turned_off_before_import():
+    import subprocess
+    import sys
+
+    code = "from autoragged.kernels import pdl; print(pdl._ON)"
+    env = {**__import__("os").environ, "AUTORAGGED_PDL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
