@@ -3,8 +3,9 @@
 A launch with `launch_pdl=True` lets the GPU schedule the kernel as soon as the kernel before it has no programs
 left to start, instead of after it has finished and flushed; in a CUDA graph this hides part of each kernel
 boundary. A chain of 96 small Triton kernels captured in a graph took 0.75-0.93 us a kernel against 1.04-1.42
-without (H100; 4K-312K fp16 elements a kernel). A bert-base forward is about 90 kernels: its mask graphs replayed
-CoRa's short rows 2-3% faster (CoLA B=32 0.591 ms against 0.611), its longest within 1%.
+without (H100; 4K-312K fp16 elements a kernel). A bert-base forward is about 90 kernels: each CoRa row's mask graph
+replayed 0.992-1.000x as long as a geomean over the rows (the MiniLM shape's 0.984-0.987x), CoLA B=32's 3-4% faster
+(0.591 ms against 0.611), the long rows within the runs' noise (benchmarks/diagnostics/graph_pdl.py).
 
 The contract that keeps it exact: every program of such a kernel calls `wait_prior` before it touches memory, and
 `wait_prior` returns once the kernel before it has completed and its writes are visible. So no kernel reads an
