@@ -785,10 +785,11 @@ def test_pdl_is_off_where_nothing_can_chain():
 
 
 def test_pdl_can_be_turned_off_before_import():
+    import os
     import subprocess
     import sys
 
     code = "from autoragged.kernels import pdl; print(pdl._ON)"
-    env = {**__import__("os").environ, "AUTORAGGED_PDL": "0"}
+    env = {**os.environ, "AUTORAGGED_PDL": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
