@@ -784,6 +784,24 @@ def test_pdl_is_off_where_nothing_can_chain():
         assert not pdl.enabled(torch.device("cuda", 0))
 
 
+def test_pdl_turned_off_at_run_time_stays_off_until_turned_on(monkeypatch):
+    """`set_enabled` (the diagnostic's A/B) overrides what the device can do, for the launches after it."""
+    from autoragged.kernels import pdl
+
+    monkeypatch.setattr(pdl, "_ON", True)
+    monkeypatch.setitem(pdl._BY_DEVICE, 0, True)  # (a device that can chain, as an H100 reports)
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "gdc_wait", pdl.gdc_wait or (lambda: None))
+    cuda = torch.device("cuda", 0)
+    if torch.version.hip is not None:
+        pytest.skip("ROCm never chains")
+    assert pdl.launch_kwargs(cuda) == {"PDL": True, "launch_pdl": True}
+    pdl.set_enabled(False)
+    assert pdl.launch_kwargs(cuda) == {"PDL": False} and not pdl.enabled(cuda)
+    pdl.set_enabled(True)
+    assert pdl.enabled(cuda)
+
+
 def test_pdl_can_be_turned_off_before_import():
     import os
     import subprocess
