@@ -329,19 +329,19 @@ class RaggedGraph:
             self.types_zero = True
         return torch.empty((B, L, self.d_model), dtype=self.dtype, device=ids.device)
 
-    def _ids_head(self, out: torch.Tensor) -> tuple:
-        x, so = self.x, out.stride()
-        sx = x.stride()
-        return (x.data_ptr(), out.data_ptr(), sx[0], sx[1], so[0], so[1], out.shape[0], out.shape[1])
+    def _head(self, x: torch.Tensor | None, ids, types) -> tuple[tuple, torch.Tensor]:
+        """(the args' head, a fresh output) for input x as the module takes it, or for token ids (and types) with
+        inputs "ids"/"ids_tt"."""
+        if self.key.inputs == "x":
+            return self._io(x)
+        out = self._fill_ids(ids, types)
+        x, sx, so = self.x, self.x.stride(), out.stride()
+        return (x.data_ptr(), out.data_ptr(), sx[0], sx[1], so[0], so[1], out.shape[0], out.shape[1]), out
 
     def run_lengths(self, x: torch.Tensor | None, lengths, ids=None, types=None) -> torch.Tensor:
         """ "lengths": the output of the batch x (as the module takes it; or token ids with inputs "ids"/"ids_tt")
         of host `lengths`, right-padded; pads are zeros."""
-        if self.key.inputs == "x":
-            head, out = self._io(x)
-        else:
-            out = self._fill_ids(ids, types)
-            head = self._ids_head(out)
+        head, out = self._head(x, ids, types)
         self.replay((*head, *lengths))
         return out
 
@@ -351,11 +351,7 @@ class RaggedGraph:
         """ "mask": the output of the batch x (or token ids) with its key padding mask (B, L) bool, True = pad, any
         pattern; nothing synchronises. `pads_to`: the address of B int32 in pinned host memory where the replay
         stores each row's pad count over the width (0: nowhere)."""
-        if self.key.inputs == "x":
-            head, out = self._io(x)
-        else:
-            out = self._fill_ids(ids, types)
-            head = self._ids_head(out)
+        head, out = self._head(x, ids, types)
         B, L = head[6], head[7]
         if B != self.key.batch or L > self.key.width:
             raise ValueError(f"this graph runs batches of {self.key.batch} rows up to {self.key.width} long, "

@@ -12,10 +12,8 @@ from ..kernels.config import next_pow2  # (kernels.config imports neither torch 
 
 __all__ = ["ladder", "ragged_bucket", "padded_bucket", "mask_width", "cublas_rows", "LADDER_VERSION"]
 
-# Bumped whenever what a graph arm computes changes: its measurements under another version describe other work,
-# and the cost model's fit leaves them out (recorded as Measurement.extra["ladder"]).
-# 6: one ragged graph per batch size and `mask_width`, with Triton linears of 128 x 128 tiles from 3,073 rows (a
-# gelu linear's from 1,025).
+# Bumped whenever what a graph arm computes changes: the cost model's fit leaves out measurements of another
+# version (Measurement.extra["ladder"]). 6: a graph per batch size and `mask_width`.
 LADDER_VERSION = 6
 
 
@@ -55,13 +53,10 @@ _CUBLAS_BLOCK = 1024
 
 @functools.lru_cache(maxsize=4096)
 def cublas_rows(rows: int) -> int:
-    """The rows the eager ragged arm gives its cuBLAS linears for a batch of `rows` packed rows; the spare rows
-    belong to no sequence and nothing reads them. cuBLAS pays a first call per problem and row count:
-    bert-base's fp16 `F.linear`s on a row count never seen before took 0.12-2.6 ms of host time each
-    against 12-62 us on one met before on an H200 (benchmarks/RESULTS.md, "Where first sight goes"), and a stream
-    brings a new token count every batch. Up to 8,192 rows: a ladder of 8 rungs per octave (at most ~9% spare).
-    Beyond, where the linears' time grows with the rows, whole blocks of 1,024 rows: at most 12.5% spare at 8K rows,
-    2.5% at 40K."""
+    """The rows the eager arm gives its cuBLAS linears for `rows` packed rows (the spare rows are read by nothing):
+    cuBLAS's first call on a row count took up to 2.6 ms of host time for a bert-base linear (H200), and a stream
+    brings a new token count every batch. A ladder of 8 rungs per octave up to 8,192 rows (at most ~9% spare), then
+    whole blocks of 1,024."""
     if rows <= _CUBLAS_LADDER_ROWS:
         return ladder(rows, floor=256, multiple=128, steps=8)
     return -(-rows // _CUBLAS_BLOCK) * _CUBLAS_BLOCK

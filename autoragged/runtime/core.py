@@ -21,7 +21,7 @@ import logging
 import math
 import operator
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -79,9 +79,8 @@ class Options:
 
 @dataclass
 class _Timed:
-    """A timed batch waiting for its end event: its (start, end) pair and their pool, the host ms its call took,
-    its record, the arm kind, the shape whose policy learns from it (None: a forced arm), and for a batch autograd
-    records, its backward's timing (a training batch's cost is its forward and its backward)."""
+    """A timed batch waiting for its end event. shape: whose policy learns from it (None: a forced arm); backward:
+    a training batch's backward timing (its cost is forward plus backward)."""
 
     timers: Timers
     pair: tuple
@@ -93,9 +92,8 @@ class _Timed:
 
 
 class _Backward:
-    """The backward of one timed training batch, bracketed by two hooks: its start where the gradient reaches the
-    module's output, its end where the module's first parameter (registration order: the embeddings, or the first
-    layer's, whose gradient autograd accumulates last) has its gradient accumulated."""
+    """The backward of one timed training batch: from the gradient reaching the module's output to the first
+    parameter's (the embeddings': autograd accumulates it last) being accumulated."""
 
     def __init__(self, timers: Timers, output: torch.Tensor, first: nn.Parameter, batch: int):
         self.timers, self.pair, self.batch = timers, timers.take(), batch
@@ -135,6 +133,10 @@ class Runtime:
         self.static_reason, self.sig, self.sig_key = body.static_reason, body.sig, body.sig.key
         self._bound_epoch = param_epoch()  # the structure the body was bound to: a change re-binds (`ready`)
         self._bound_dtype = body.probe().dtype  # and the parameters' dtype (`.half()` re-registers nothing)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The state batches build up (planners, shapes, timings, graphs): a copy starts without it."""
         self._probe, self._probe_epoch, self._params, self._params_epoch = None, -1, [], -1
         self.ring: deque[Record] = deque(maxlen=_RING)
         self.planners: dict[torch.device, Planner] = {}
@@ -159,12 +161,9 @@ class Runtime:
 
     def __getstate__(self):
         """A copy (deepcopy, pickle) re-binds to its module on its first call: options travel, state does not."""
-        state = self.__dict__.copy()
-        state.update(ring=deque(maxlen=_RING), planners={}, shapes={}, scales=Scales(),
-                     train_scales=Scales(shared=True), pending=deque(), graphs=None, pads_ring=None, timers={},
-                     body=None, _bound_epoch=-1, _probe=None, _probe_epoch=-1, _params=[],
-                     _params_epoch=-1)  # fmt: skip
-        return state
+        blank = object.__new__(Runtime)
+        blank._reset_state()
+        return {**self.__dict__, **blank.__dict__, "body": None, "_bound_epoch": -1}
 
     def ready(self, module) -> Runtime:
         """The runtime to run `module`'s next call: this one, or a fresh one bound to its new structure (a layer
@@ -579,10 +578,8 @@ class Runtime:
     def _log_summary(self) -> None:
         """One INFO line about the last _SUMMARY_EVERY batches of this module."""
         last = list(self.ring)[-_SUMMARY_EVERY:]
-        counts: dict[str, int] = {}
-        for r in last:
-            counts[r.arm.kind] = counts.get(r.arm.kind, 0) + 1
-        shares = ", ".join(f"{k} {v / len(last):.0%}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        counts = Counter(r.arm.kind for r in last)
+        shares = ", ".join(f"{k} {v / len(last):.0%}" for k, v in counts.most_common())
         log.info("autoragged %s: %d batches so far; last %d: %s", self.sig_key, self.count, len(last), shares)
 
     def _record(self, record: Record, measurement: Measurement | None = None) -> None:

@@ -38,9 +38,8 @@ from ..tuning_db import BatchStats
 __all__ = ["ShapeKey", "ShapeState", "Scales", "Choice", "choose", "started", "observe", "TRY_WITHIN", "MIN_SAMPLES",
            "WINDOW"]  # fmt: skip
 
-# An arm predicted within this factor of the running one is worth timing: the prior leaves out most host time,
-# and a stream pays every arm tried (HF's padded forward took 549 ms at its first run on a new shape where the
-# running arm took 11.5; `benchmarks/stream_table.py`).
+# An arm predicted within this factor of the running one is worth timing: the prior leaves out host time, and a
+# stream pays every arm it tries (HF's padded forward took 549 ms at its first run on a new shape against 11.5).
 TRY_WITHIN = 1.3
 MIN_SAMPLES = 3  # timings before an arm's cost is its own: the median of three outlasts one delayed batch
 RETRY_EVERY = 512  # batches of a shape between fresh timings of its runner-up: devices and streams drift
@@ -61,11 +60,10 @@ class ShapeKey(NamedTuple):
 
 @dataclass
 class ShapeState:
-    """What the runtime knows of one shape. batches: seen so far; timed: each arm kind's recent timings, as timed /
-    predicted ms; host_ms: each arm kind's recent host ms here (rule 1); stats: the latest batch whose lengths
-    reached the host (an unread batch is predicted with them); unread: the record of the latest batch not read,
-    whose stats are on their way; trying: the arm on trial, tries_left its batches left; retry_at: the batch count
-    of the runner-up's next fresh timing; explored: batches run by rule 5."""
+    """What the runtime knows of one shape. timed: each arm kind's recent timed / predicted ms; host_ms: its recent
+    host ms (rule 1); stats: of the latest batch read (an unread batch is predicted with them); unread: the latest
+    unread batch's record, its stats on their way; trying, tries_left: the arm on trial (rule 3); retry_at: the
+    batch count of the next fresh trial; explored: batches run by rule 5."""
 
     batches: int = 0
     timed: dict[str, deque] = field(default_factory=dict)
@@ -80,15 +78,12 @@ class ShapeState:
 
 @dataclass
 class Scales:
-    """What a module's timed batches say of each arm kind on shapes not timed yet: how far the cost model is off
-    (timed / predicted ms, the recent ones), and the least host time a call took: the prior leaves most host time
-    out (the eager arm's launches took ten times its GPU work on bert-base's short rows), so a scale learnt on the
-    long rows alone would under-price the short ones.
+    """What a module's timed batches say of each arm kind on shapes not timed yet: the recent timed / predicted
+    ratios, and the least host time a call took (the prior leaves host time out: the eager arm's launches took ten
+    times its GPU work on bert-base's short rows).
 
-    shared: an arm the module has not timed anywhere, on a shape where no arm is timed yet, takes the pooled scale
-    of the arms the module has timed. Set for training, whose timings hold the backward the forward-only prior
-    leaves out, every arm's alike (at its bare prior HF's padded arm looked the cheaper and ran 5-11 of 28 steps of
-    a Qwen2.5-0.5B SFT at 170 ms a step against 90). Inference arms differ in host time, so each keeps its own."""
+    shared: an arm timed nowhere takes the pooled ratio of the arms that were. Set for training, whose timings hold
+    the backward the forward-only prior leaves out, every arm's alike; inference arms differ in host time."""
 
     ratios: dict[str, deque] = field(default_factory=dict)
     host_ms: dict[str, float] = field(default_factory=dict)

@@ -23,11 +23,9 @@ __all__ = ["Record", "PadsRing", "PadsSlot", "Timers", "quiet_mark"]
 class Record:
     """A decision on its way out: cheap to make on the hot path, a `Decision` when read.
 
-    The stats of a batch whose lengths were not read arrive later: its pad counts reach a pinned host slot without
-    waiting (stored by the mask graph's replay, or copied by `defer`), and the first read of `stats` waits for them.
-    The wait makes no CUDA call: the slot was filled with -1 (never a pad count), and the counts have landed when
-    no -1 is left (an event sync from the recorder's thread made a user's capture in PyTorch's default global mode
-    fail, H100)."""
+    An unread batch's pad counts reach a pinned slot later (`defer`); the first read of `stats` polls the slot, -1
+    until they land, and makes no CUDA call (an event sync from the recorder's thread broke a user's capture in
+    PyTorch's default global mode)."""
 
     __slots__ = ("time", "_stats", "_pending", "arm", "predicted_ms", "reason", "measured_ms", "device", "signature")
 
@@ -124,13 +122,10 @@ class PadsSlot(NamedTuple):
 
 
 class PadsRing:
-    """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay stores
-    a batch's counts in its slot itself (kernels/masked_pack.py `post_pads`; a copy after each replay cost 5-20 us a
-    batch), the padded arm's come by one non-blocking copy; one event per batch, no allocation. Once per round of
-    `slots` batches, before slot 0 is reused, the counts of records nobody has read yet move off the ring in one
-    clone (resolving one old record a batch took 53 us a batch under cProfile, H100 host). A slot reads -1 until its
-    counts land: the buffer is filled with -1 when made and at each round's release, and each batch size's slot
-    views are made once."""
+    """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay writes
+    its batch's slot itself (kernels/masked_pack.py `post_pads`: a copy after each replay cost 5-20 us a batch), the
+    padded arm's counts come by one non-blocking copy. A slot reads -1 until its counts land. Once per round of
+    `slots` batches the counts of records nobody has read yet move off the ring in one clone."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
