@@ -577,7 +577,7 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
         kwargs, _ = batch(token_types=extra.pop("types", False))
         kwargs.update(extra)
         got = HFEncoderCall(body, model, kwargs, None).graph_inputs()
-        return None if got is None else (got[0], got[1] is kwargs.get("input_ids"), got[2] is not None)
+        return None if got is None else (got.mode, got.ids is kwargs.get("input_ids"), got.types is not None)
 
     # one graph mode whether the call gives token types or not (None: zeros, the embeddings' default)
     assert inputs("bert") == ("ids_tt", True, False)

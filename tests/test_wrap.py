@@ -337,7 +337,7 @@ def test_deferred_stats_wait_on_the_pinned_slot_not_on_a_cuda_call():
     import threading
 
     from autoragged.planning.costmodel import PADDED
-    from autoragged.runtime.records import Record
+    from autoragged.runtime.records import Pending, Record
 
     class NoSync:
         def synchronize(self):
@@ -345,7 +345,7 @@ def test_deferred_stats_wait_on_the_pinned_slot_not_on_a_cuda_call():
 
     host = torch.full((3,), -1, dtype=torch.int32)
     record = Record(None, PADDED, {}, "unread", None, "sig")
-    record._pending = (host, NoSync(), 10, 10)
+    record._pending = Pending(host, NoSync(), 10, 10)
     lands = threading.Timer(0.05, lambda: host.copy_(torch.tensor([2, 0, 5], dtype=torch.int32)))
     lands.start()
     try:

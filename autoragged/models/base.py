@@ -8,6 +8,8 @@ module's own calls. The runtime (autoragged/runtime/core.py) knows nothing of an
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..runtime.epoch import param_epoch
@@ -97,6 +99,15 @@ class Body:
         return tuple(module.modules()) != self._bound_modules
 
 
+class GraphInputs(NamedTuple):
+    """What a ragged graph computes the embeddings from (`Call.graph_inputs`): `mode` "ids" or "ids_tt" (the
+    embeddings take token types, given or not), the (B, L) int64 token ids, and the token types or None (zeros)."""
+
+    mode: str
+    ids: torch.Tensor
+    types: torch.Tensor | None
+
+
 class Call:
     """One batch of a wrapped module, as its adapter read it from the module's own call.
 
@@ -150,9 +161,9 @@ class Call:
         for a RaggedTensor input) and, when asked for, each layer's padded output."""
         return y
 
-    def graph_inputs(self):
-        """(mode, token ids, token type ids or None) where the ragged graphs may compute the embeddings
-        themselves (`Body.embeds_in_graph`), or None: a graph then packs `x`."""
+    def graph_inputs(self) -> GraphInputs | None:
+        """What the ragged graphs compute the embeddings from, where they may (`Body.embeds_in_graph`), or None: a
+        graph then packs `x`."""
         return None
 
     def original(self, module):

@@ -36,7 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import attention_values
-from .base import Body, Call, EpochCache
+from .base import Body, Call, EpochCache, GraphInputs
 from .sentence import hinted_lengths
 
 __all__ = ["NAME", "install", "uninstall", "HFCall", "ragged_attention_of", "hidden_hooked", "current_call",
@@ -363,11 +363,11 @@ class HFCall(Call):
     def padded_mask(self, module):
         return self.original(module)
 
-    def graph_inputs(self):
-        """("ids" or "ids_tt", input_ids, token_type_ids or None) when the body's embeddings may run inside the
-        graph ("ids_tt" for models whose embeddings take token types, given or not): input_ids given as (B, L)
-        int64, no inputs_embeds and no position_ids (the graph derives the positions as the original does, from
-        the columns or from the ids); None otherwise."""
+    def graph_inputs(self) -> GraphInputs | None:
+        """GraphInputs("ids" or "ids_tt", input_ids, token_type_ids or None) when the body's embeddings may run
+        inside the graph ("ids_tt" for models whose embeddings take token types, given or not): input_ids given as
+        (B, L) int64, no inputs_embeds and no position_ids (the graph derives the positions as the original does,
+        from the columns or from the ids); None otherwise."""
         if not self.body.embeds_in_graph:
             return None
         kwargs = self.kwargs
@@ -378,14 +378,14 @@ class HFCall(Call):
             return None
         types = kwargs.get("token_type_ids")
         if not self.body.embeds_token_types:
-            return ("ids", ids, None) if types is None else None
+            return GraphInputs("ids", ids, None) if types is None else None
         if types is not None and (
             not isinstance(types, torch.Tensor) or types.dtype != torch.long or types.shape != ids.shape
         ):
             return None
         # one graph for calls with token types and without (a tokenizer gives them, `warmup()` does not): None
         # is zeros, the embeddings' own default (a non-persistent zeros buffer)
-        return ("ids_tt", ids, types)
+        return GraphInputs("ids_tt", ids, types)
 
     def finish(self, y, hidden=None):
         return self.body.output(self.module, self, y, hidden)

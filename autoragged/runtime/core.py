@@ -50,7 +50,7 @@ from . import policy
 from .epoch import param_epoch
 from .policy import Scales, ShapeKey, ShapeState
 from .recorder import RECORDER
-from .records import PadsRing, Record, Timers, quiet_mark
+from .records import PadsRing, Record, TimerPair, Timers, quiet_mark
 
 __all__ = ["Runtime", "Options", "POLICIES", "CAPTURING", "NO_GRAPH"]
 
@@ -82,8 +82,7 @@ class _Timed:
     """A timed batch waiting for its end event. shape: whose policy learns from it (None: a forced arm); backward:
     a training batch's backward timing (its cost is forward plus backward)."""
 
-    timers: Timers
-    pair: tuple
+    pair: TimerPair
     host_ms: float
     record: Record
     kind: str
@@ -96,7 +95,7 @@ class _Backward:
     parameter's (the embeddings': autograd accumulates it last) being accumulated."""
 
     def __init__(self, timers: Timers, output: torch.Tensor, first: nn.Parameter, batch: int):
-        self.timers, self.pair, self.batch = timers, timers.take(), batch
+        self.pair, self.batch = timers.take(), batch
         self.started = self.ended = False
         output.register_hook(self._start)
         self._end_hook = first.register_post_accumulate_grad_hook(self._end)
@@ -104,12 +103,12 @@ class _Backward:
     def _start(self, grad):
         if not self.started:
             self.started = True
-            self.timers.record(self.pair[0])
+            self.pair.timers.record(self.pair.start)
 
     def _end(self, param):
         if self.started and not self.ended:
             self.ended = True
-            self.timers.record(self.pair[1])
+            self.pair.timers.record(self.pair.end)
             self._end_hook.remove()
 
     def drop(self) -> None:
@@ -234,12 +233,12 @@ class Runtime:
             record.defer(pads, width, call.L, self._pads_ring(device))
             shape.unread = record
         if decision.timed and timer is not None and quiet is not None and quiet == quiet_mark():
-            backward = self._backward(module, timer[0], out) if key.train else None
+            backward = self._backward(module, timer.timers, out) if key.train else None
             learns = learns and (backward is not None) == key.train  # a training cost needs its backward
             self._time(timer, t0, record, arm.kind, shape if learns else None, backward)
         else:
             if timer is not None:
-                timer[0].give(timer[1])
+                timer.give()
             self._record(record)
         self._after(record)
         return out
@@ -376,7 +375,7 @@ class Runtime:
         if not (self.options.graphs and body.fused and call.device.type == "cuda") or call.eager_only is not None:
             return None
         inputs = call.graph_inputs() if call.ragged_in is None else None
-        mode = inputs[0] if inputs is not None else "x"
+        mode = inputs.mode if inputs is not None else "x"
         if call.ragged_in is not None:
             rt = call.ragged_in
             return GraphKey(call.B, mask_width(rt.max_len), "values", "x", call.causal, rt.align)
@@ -448,7 +447,7 @@ class Runtime:
 
     def _replay(self, call, graph: RaggedGraph, lens):
         key, inputs = graph.key, call.graph_inputs() if graph.key.inputs != "x" else None
-        ids, types = (inputs[1], inputs[2]) if inputs is not None else (None, None)
+        ids, types = (inputs.ids, inputs.types) if inputs is not None else (None, None)
         x = call.x if key.inputs == "x" and call.ragged_in is None else None
         if key.lengths_from == "values":
             rt = call.ragged_in
@@ -482,24 +481,23 @@ class Runtime:
         return call.finish(unpack(values), hidden)
 
     # -- timing and records ----------------------------------------------------------------------------
-    def _start(self, device: torch.device):
-        """(the device's Timers, a pair whose start is recorded now: before any read, so a read's cost counts),
-        or None where nothing is timed."""
+    def _start(self, device: torch.device) -> TimerPair | None:
+        """A timer pair whose start is recorded now (before any read, so a read's cost counts), or None where
+        nothing is timed."""
         if self.sample_every <= 0:
             return None
         timers = self.timers.get(device)
         if timers is None:
             timers = self.timers[device] = Timers(device)
-        return timers, timers.start()
+        return timers.start()
 
-    def _time(self, timer, t0: float, record: Record, kind: str, shape, backward: _Backward | None) -> None:
-        timers, pair = timer
-        timers.record(pair[1])
+    def _time(self, pair: TimerPair, t0: float, record: Record, kind: str, shape, backward: _Backward | None) -> None:
+        pair.timers.record(pair.end)
         host_ms = (time.perf_counter() - t0) * 1e3
         if shape is not None:
             policy.started(shape, kind, host_ms)
         self.ring.append(record)
-        self.pending.append(_Timed(timers, pair, host_ms, record, kind, shape, backward))
+        self.pending.append(_Timed(pair, host_ms, record, kind, shape, backward))
 
     def _backward(self, module, timers: Timers, out) -> _Backward | None:
         """The backward timing of a timed training batch, or None where its output or parameters take no gradient."""
@@ -519,28 +517,28 @@ class Runtime:
         call took: with the host ahead of a busy GPU the events see the GPU's time alone."""
         while self.pending:
             timed = self.pending[0]
-            start, end = timed.pair
+            start, end = timed.pair.start, timed.pair.end
             backward = timed.backward
             if backward is not None and not backward.ended:
                 if self.count - backward.batch < _BACKWARD_WAIT and not wait:
                     return
                 backward.drop()  # its backward never ran: the forward alone is no training cost
                 self.pending.popleft()
-                timed.timers.give(timed.pair)
+                timed.pair.give()
                 self._record(timed.record)
                 continue
             if wait:
                 end.synchronize()
                 if backward is not None:
-                    backward.pair[1].synchronize()
-            elif not end.query() or (backward is not None and not backward.pair[1].query()):
+                    backward.pair.end.synchronize()
+            elif not end.query() or (backward is not None and not backward.pair.end.query()):
                 return
             self.pending.popleft()
             ms = max(start.elapsed_time(end), timed.host_ms)
-            timed.timers.give(timed.pair)
+            timed.pair.give()
             if backward is not None:
-                ms += backward.pair[0].elapsed_time(backward.pair[1])
-                backward.timers.give(backward.pair)
+                ms += backward.pair.start.elapsed_time(backward.pair.end)
+                backward.pair.give()
             record = timed.record
             record.measured_ms = ms
             if timed.shape is not None:

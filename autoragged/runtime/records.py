@@ -17,7 +17,7 @@ from ..graphs.capture import event_done, record_event
 from ..graphs.worker import worker
 from ..tuning_db import BatchStats, Decision
 
-__all__ = ["Record", "PadsRing", "PadsSlot", "Timers", "quiet_mark"]
+__all__ = ["Record", "Pending", "PadsRing", "PadsSlot", "Timers", "TimerPair", "quiet_mark"]
 
 
 class Record:
@@ -45,7 +45,7 @@ class Record:
         slot of `ring` that the queued work writes (a mask graph's replay), a (B,) int32 CUDA tensor (copied into
         a slot without waiting) or a CPU one."""
         if isinstance(pads, torch.Tensor) and not pads.is_cuda:
-            self._pending = (pads, None, width, L)
+            self._pending = Pending(pads, None, width, L)
             return
         if isinstance(pads, torch.Tensor):
             slot = ring.take(pads.shape[0])
@@ -54,7 +54,7 @@ class Record:
         else:
             slot = pads
         ring.owners[slot.index] = self
-        self._pending = (slot.host, slot.event, width, L)
+        self._pending = Pending(slot.host, slot.event, width, L)
 
     @property
     def stats(self) -> BatchStats:
@@ -62,12 +62,10 @@ class Record:
             with _RESOLVE:  # the recorder's thread and the hot path (a ring slot's reuse) may both get here
                 pending = self._pending
                 if pending is not None:
-                    host, event, width, L = pending
-                    pads = host.tolist()
-                    if event is not None:
-                        pads = _wait_for_copy(host, pads, event)
-                    self._stats = BatchStats.from_lengths(tuple(width - p for p in pads), padded_len=L)
-                    self._pending = None
+                    pads = pending.host.tolist()
+                    if pending.event is not None:
+                        pads = _wait_for_copy(pending.host, pads, pending.event)
+                    self._stats, self._pending = pending.stats(pads), None
         return self._stats
 
     def peek(self) -> BatchStats | None:
@@ -78,11 +76,8 @@ class Record:
         pending = self._pending
         if pending is None:
             return self._stats
-        host, _, width, L = pending
-        pads = host.tolist()
-        if -1 in pads:
-            return None
-        return BatchStats.from_lengths(tuple(width - p for p in pads), padded_len=L)
+        pads = pending.host.tolist()
+        return None if -1 in pads else pending.stats(pads)
 
     def decision(self) -> Decision:
         config = None if self.arm.config is None else self.arm.config.to_dict()
@@ -90,6 +85,20 @@ class Record:
             self.time, self.device.key, self.signature, self.stats, self.arm.kind, config,
             dict(self.predicted_ms), self.reason, self.measured_ms,
         )  # fmt: skip
+
+
+class Pending(NamedTuple):
+    """An unread batch's pad counts on their way: the host view they land in (-1 until then), the event after the
+    work that writes them (None: a CPU tensor, or a snapshot), and the width they count over of a batch padded to
+    `padded_len`."""
+
+    host: torch.Tensor
+    event: object
+    width: int
+    padded_len: int
+
+    def stats(self, pads: list[int]) -> BatchStats:
+        return BatchStats.from_lengths(tuple(self.width - p for p in pads), padded_len=self.padded_len)
 
 
 _RESOLVE = threading.Lock()
@@ -169,9 +178,9 @@ class PadsRing:
             snapshot = self.host.clone()
             with _RESOLVE:
                 for j, record in pending:
-                    if record._pending is not None:
-                        host, _, width, L = record._pending
-                        record._pending = (snapshot[j, : host.shape[0]], None, width, L)
+                    pending = record._pending
+                    if pending is not None:
+                        record._pending = pending._replace(host=snapshot[j, : pending.host.shape[0]], event=None)
         self.host.fill_(-1)
 
 
@@ -193,24 +202,39 @@ class _HostTimer:
         return (end.t - self.t) * 1e3
 
 
+class TimerPair(NamedTuple):
+    """A start and an end timer (CUDA events, or `_HostTimer`s on a CPU) of the `Timers` they go back to."""
+
+    timers: Timers
+    start: object
+    end: object
+
+    def give(self) -> None:
+        self.timers.give(self)
+
+
 class Timers:
-    """(start, end) timer pairs for a device, reused: CUDA events recorded through `record_event` (a few
-    microseconds, against tens for `Event.record`), or the host clock on a CPU, whose ops are synchronous."""
+    """Timer pairs for a device, reused: CUDA events recorded through `record_event` (a few microseconds, against
+    tens for `Event.record`), or the host clock on a CPU, whose ops are synchronous."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else -1
-        self.free: list[tuple] = []
+        self.free: list[TimerPair] = []
 
-    def start(self) -> tuple:
+    def start(self) -> TimerPair:
         """A pair whose start is recorded now."""
         pair = self.take()
-        self.record(pair[0])
+        self.record(pair.start)
         return pair
 
-    def take(self) -> tuple:
+    def take(self) -> TimerPair:
         """A pair, neither recorded."""
-        return self.free.pop() if self.free else self._new()
+        if self.free:
+            return self.free.pop()
+        if self.cuda:
+            return TimerPair(self, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        return TimerPair(self, _HostTimer(), _HostTimer())
 
     def record(self, timer) -> None:
         if self.cuda:
@@ -218,14 +242,9 @@ class Timers:
         else:
             timer.record()
 
-    def give(self, pair: tuple) -> None:
+    def give(self, pair: TimerPair) -> None:
         if len(self.free) < 64:
             self.free.append(pair)
-
-    def _new(self) -> tuple:
-        if self.cuda:
-            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        return _HostTimer(), _HostTimer()
 
 
 _COMPILES = [0]  # Triton kernels compiled (or loaded from its cache) in this process, counted by a JIT hook
