@@ -266,6 +266,8 @@ def test_deepcopy_and_rewrap():
     twin = copy.deepcopy(enc)
     assert type(twin).__name__ == "DispatchingTransformerEncoder" and twin._autoragged.policy == "ragged"
     assert enc._autoragged.shapes and not twin._autoragged.shapes  # (a copy starts anew)
+    learnt = ("ring", "timers", "count")
+    assert all(getattr(enc._autoragged, k) for k in learnt) and not any(getattr(twin._autoragged, k) for k in learnt)
     # the copy runs its own parameters: changed in the twin only, the twin's output follows
     with torch.no_grad():
         twin.layers[0].linear1.bias.add_(1.0)
