@@ -491,3 +491,65 @@ def test_a_graph_too_big_for_the_budget_is_not_asked_for(monkeypatch):
     key = GraphKey(128, 512, "mask", "x", False)
     assert not cache.request(key, lambda pool, stream: _Graph(key), "cuda", 2 << 30)
     assert "does not fit the graph memory budget" in cache.unavailable(key)
+
+
+def _bare_graph(key, d_model: int):
+    """A RaggedGraph's host side alone (no capture): its args are assembled on the CPU, its replay is recorded."""
+    from autoragged.graphs.capture import RaggedGraph
+
+    graph = object.__new__(RaggedGraph)
+    graph.key, graph.d_model, graph.dtype, graph.device, graph.index = key, d_model, torch.float32, "cpu", -1
+    graph.batch_first, graph.replayed = True, []
+    graph.replay = graph.replayed.append
+    return graph
+
+
+def test_a_mask_graph_points_its_args_at_the_batch_or_at_its_static_embeddings():
+    """The args' head (input and output pointers and strides, B, L), then the mask's pointer, strides and the pads'
+    address: for a caller's hidden states ("x"), and for token ids the graph embeds itself ("ids_tt": the ids
+    copied into the static ones, the head pointing at the static embeddings)."""
+    from autoragged.graphs.capture import GraphKey
+
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    graph = _bare_graph(GraphKey(3, 16, "mask", "x", False), 8)
+    x = torch.randn(3, 10, 8)
+    out = graph.run_mask(x, mask, pads_to=1234)
+    assert out.shape == x.shape and out.data_ptr() != x.data_ptr()
+    head = (x.data_ptr(), out.data_ptr(), 80, 8, 80, 8, 3, 10)
+    assert graph.replayed == [(*head, mask.data_ptr(), 10, 1, 1234)]
+    with pytest.raises(ValueError, match="batches of 3 rows up to 16 long"):
+        graph.run_mask(torch.randn(3, 17, 8), torch.zeros(3, 17, dtype=torch.bool))
+
+    graph = _bare_graph(GraphKey(3, 16, "mask", "ids_tt", False), 8)
+    graph.ids, graph.x = torch.zeros(3, 16, dtype=torch.long), torch.zeros(3, 16, 8)
+    graph.types, graph.types_zero = torch.ones(3, 16, dtype=torch.long), False
+    ids = torch.randint(1, 100, (3, 10))
+    out = graph.run_mask(None, mask, ids, None)
+    assert out.shape == (3, 10, 8) and torch.equal(graph.ids[:, :10], ids)
+    assert not graph.types.any() and graph.types_zero  # no types given: zeros, the embeddings' default
+    head = (graph.x.data_ptr(), out.data_ptr(), 128, 8, 80, 8, 3, 10)
+    assert graph.replayed == [(*head, mask.data_ptr(), 10, 1, 0)]
+
+
+def test_a_round_of_the_pads_ring_moves_the_unread_counts_off_it(monkeypatch):
+    """Before slot 0 is reused, the counts of records nobody has read move to a snapshot and every slot reads -1
+    (not landed) again: each record still reads its own batch's lengths."""
+    from autoragged.planning.costmodel import PADDED
+    from autoragged.runtime import records
+
+    monkeypatch.setattr(records, "event_done", lambda event: None)
+    ring = object.__new__(records.PadsRing)
+    ring.device, ring.slots, ring.width, ring.i, ring.views, ring.retired = torch.device("cpu"), 4, 3, 0, {}, []
+    ring.host, ring.events, ring.owners = torch.full((4, 3), -1, dtype=torch.int32), [None] * 4, [None] * 4
+    made = []
+    for pads in ([1, 0], [2, 5], [0, 0]):
+        slot = ring.take(2)
+        record = records.Record(None, PADDED, {}, "unread", None, "sig")
+        record.defer(slot, 8, 8, ring)
+        assert record.peek() is None  # -1: not landed
+        slot.host.copy_(torch.tensor(pads, dtype=torch.int32))
+        made.append(record)
+    assert made[1].peek().total == 9
+    ring.take(2)  # slot 0 again: the round's release
+    assert (ring.host == -1).all() and ring.owners == [None] * 4
+    assert [r.stats.total for r in made] == [15, 9, 16]
