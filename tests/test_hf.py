@@ -592,6 +592,44 @@ def test_the_mask_graph_takes_token_ids_only_where_it_derives_what_the_original_
     assert HFEncoderCall(body, model, embeds, None).graph_inputs() is None
 
 
+def test_a_call_with_token_ids_is_keyed_to_and_replayed_on_a_graph_that_embeds_them():
+    """The runtime's side of the graph arm, on the CPU (the graph a stand-in that records what it is given): a BERT
+    call that gives input_ids and an attention mask is keyed to a mask graph fed ids ("ids_tt": one graph whether
+    types come or not), and its replay hands that graph the call's own ids and mask, and no x."""
+    from autoragged.graphs.capture import GraphKey
+    from autoragged.models.hf_encoder import HFEncoderCall
+    from autoragged.planning.buckets import mask_width
+    from autoragged.runtime.policy import ShapeKey
+
+    model = autoragged.wrap(model_of("bert"), db=False)
+    runtime = model._autoragged.ready(model)
+    kwargs, keep = batch()
+    call = HFEncoderCall(runtime.body, model, kwargs, None)
+
+    class OnCuda:  # the call as the runtime reads it on a GPU
+        device = torch.device("cuda")
+
+        def __getattr__(self, name):
+            return getattr(call, name)
+
+    B, L = keep.shape
+    key = runtime._graph_key(OnCuda(), ShapeKey(B, mask_width(L), True))
+    assert key == GraphKey(B, mask_width(L), "mask", "ids_tt", False)
+
+    given = []
+
+    class Graph:
+        def run_mask(self, x, mask, ids, types, pads_to):
+            given.append((x, mask, ids, types, pads_to))
+            return torch.zeros(B, L, model.config.hidden_size)
+
+    Graph.key = key
+    out, slot = runtime._replay(call, Graph(), tuple(keep.sum(1).tolist()))
+    ((x, mask, ids, types, pads_to),) = given
+    assert x is None and ids is kwargs["input_ids"] and types is None and pads_to == 0 and slot is None
+    assert torch.equal(mask, ~keep) and out.last_hidden_state.shape == (B, L, model.config.hidden_size)
+
+
 def test_the_embedding_step_is_read_as_tables_only_where_it_is_transformers_own_sum_and_norm():
     """The mask graph computes the embeddings from tables (kernels/masked_embed.py) only for transformers' own
     BERT-family embedding modules with nothing after them; a projection (ELECTRA's, ALBERT's mapping), a
