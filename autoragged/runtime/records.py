@@ -178,9 +178,9 @@ class PadsRing:
             snapshot = self.host.clone()
             with _RESOLVE:
                 for j, record in pending:
-                    pending = record._pending
-                    if pending is not None:
-                        record._pending = pending._replace(host=snapshot[j, : pending.host.shape[0]], event=None)
+                    waiting = record._pending
+                    if waiting is not None:
+                        record._pending = waiting._replace(host=snapshot[j, : waiting.host.shape[0]], event=None)
         self.host.fill_(-1)
 
 
