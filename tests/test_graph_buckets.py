@@ -60,6 +60,12 @@ def test_ladders_hold_the_batch_with_bounded_waste(n):
     assert w >= L and w % 16 == 0 and (n < 16 or w <= n * 1.42 + 16)
 
 
+def test_mask_width_picks_the_rung_before_rounding():  # as `ladder` says: 90.5 -> 96 holds up to 90, not 96
+    assert [mask_width(n) for n in (16, 17, 32, 33, 45, 46, 64, 65, 90, 91, 96, 128, 129, 181, 182)] == [
+        16, 32, 32, 48, 48, 64, 64, 96, 96, 128, 128, 128, 192, 192, 256,
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("n", [257, 1000, 4097, 46913, 10**6])
 def test_ragged_graph_rows_waste_at_most_a_ninth(n):
     rows = ragged_bucket(n, 8, 64)[0]

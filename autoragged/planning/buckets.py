@@ -18,7 +18,9 @@ LADDER_VERSION = 6
 
 
 def ladder(n: int, *, floor: int, multiple: int, steps: int = 4) -> int:
-    """The smallest rung >= n of 2**(k / steps), rounded up to `multiple`, and at least `floor`."""
+    """2**(k / steps) for the smallest k where that is >= n, rounded up to `multiple`, and at least `floor`. The
+    rung is picked before rounding, so an n between a rung and its rounded value takes the next one (steps 2,
+    multiple 16: 96 -> 128, the rung 90.5 rounding to 96); changing that re-keys graphs and cost-model features."""
     if n <= floor:
         return floor
     rung = 2 ** (math.ceil(math.log2(n) * steps - 1e-9) / steps)
