@@ -133,12 +133,10 @@ class PadsSlot(NamedTuple):
 class PadsRing:
     """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay writes
     its batch's slot itself (kernels/masked_pack.py `post_pads`: a copy after each replay cost 5-20 us a batch), the
-    padded arm's counts come by one non-blocking copy. A slot reads -1 until its counts land. As the ring comes
-    round to each half, the half is freed: the counts of its records nobody has read yet move off it in one clone.
-    Its newest batch was queued half a round before, so its counts have landed and the check is a query (freeing the
-    whole ring at slot 0 waited for the batch just queued: a drain of the stream every round)."""
+    padded arm's counts come by one non-blocking copy. A slot reads -1 until its counts land. Once per round of
+    `slots` batches the counts of records nobody has read yet move off the ring in one clone."""
 
-    def __init__(self, device: torch.device, slots: int = 128):
+    def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
         self.host = None
         self.views: dict[int, list[torch.Tensor]] = {}
@@ -159,8 +157,8 @@ class PadsRing:
             self.views = {}
             self.owners = [None] * self.slots
         self.i = i = (self.i + 1) % self.slots
-        if i % (self.slots // 2) == 0:
-            self._release(i)
+        if i == 0:
+            self._release()
         views = self.views.get(B)
         if views is None:
             views = self.views[B] = list(self.host[:, :B].unbind(0))
@@ -170,23 +168,20 @@ class PadsRing:
         """The work that writes `slot` is queued: its event follows it."""
         record_event(slot.event, self.device.index)
 
-    def _release(self, start: int) -> None:
-        """Free the half of the ring from slot `start`: once its newest batch's counts have landed (batches land in
-        stream order), move those of its unread records into a copy and mark its slots not landed (-1) again."""
-        half = range(start, start + self.slots // 2)
-        event_done(self.events[half[-1]])
-        pending = [(j, r) for j in half if (r := self.owners[j]) is not None and r._pending is not None]
-        for j in half:
-            self.owners[j] = None
+    def _release(self) -> None:
+        """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
+        not landed (-1) again: all slots are free."""
+        pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
+        self.owners = [None] * self.slots
+        event_done(self.events[(self.i - 1) % self.slots])  # the newest batch's; batches land in stream order
         if pending:
-            snapshot = self.host[half.start : half.stop].clone()
+            snapshot = self.host.clone()
             with _RESOLVE:
                 for j, record in pending:
                     waiting = record._pending
                     if waiting is not None:
-                        width = waiting.host.shape[0]
-                        record._pending = waiting._replace(host=snapshot[j - start, :width], event=None)
-        self.host[half.start : half.stop].fill_(-1)
+                        record._pending = waiting._replace(host=snapshot[j, : waiting.host.shape[0]], event=None)
+        self.host.fill_(-1)
 
 
 class _HostTimer:
