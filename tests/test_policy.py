@@ -325,3 +325,32 @@ def test_in_training_an_arm_timed_nowhere_takes_the_timed_arms_scale():
         state = ShapeState()
         assert choose(state, predicted, {"padded", "ragged"}, 32, scales).kind == want, shared
         assert policy.costs(ShapeState(), predicted, scales)["padded"] == (60.0 if shared else 20.0)
+
+
+def test_a_mask_only_shapes_first_stats_are_its_batch_sizes_nearest_width_scaled_to_fit():
+    """Before its first read, a mask-only shape is predicted with the latest stats of the same batch size at the
+    nearest width (and the same mode), every length scaled down where the longest does not fit its padded length."""
+    from autoragged.tuning_db import BatchStats
+
+    from autoragged.runtime.policy import ShapeKey, new_shape
+
+    def known(lengths, L):
+        state = ShapeState()
+        state.stats = BatchStats.from_lengths(lengths, padded_len=L)
+        return state
+
+    shapes = {
+        ShapeKey(4, 128, True): known((100, 50, 50, 20), 112),
+        ShapeKey(4, 256, True): known((200, 10, 10, 10), 200),
+        ShapeKey(4, 96, False): known((90, 90, 90, 90), 96),  # lengths came: another mode
+        ShapeKey(8, 96, True): known((90,) * 8, 96),  # another batch size
+    }
+    fitted = new_shape(shapes, ShapeKey(4, 96, True), 80).stats
+    want = BatchStats.from_lengths((80, 40, 40, 16), padded_len=80)  # (100, 50, 50, 20) scaled by 0.8
+    assert fitted.batch == 4 and fitted.max_len == 80 and fitted.total == want.total and fitted.sum_sq == want.sum_sq
+    assert fitted.mean == pytest.approx(want.mean) and fitted.std == pytest.approx(want.std)
+    assert fitted.pad_fraction == pytest.approx(want.pad_fraction)
+    same = new_shape(shapes, ShapeKey(4, 96, True), 104).stats  # fits: only the padding changes
+    assert (same.max_len, same.total) == (100, 220) and same.pad_fraction == pytest.approx(1 - 220 / 416)
+    assert new_shape(shapes, ShapeKey(2, 96, True), 80).stats is None  # no width of B=2 known
+    assert new_shape(shapes, ShapeKey(4, 64, False), 60).stats is None  # lengths come with the call: read them

@@ -5,8 +5,9 @@ calls into a `Call` (models/base.py): the batch's shape, its key padding mask or
 padded arm, what the ragged arm packs and how its result becomes the module's output. Everything else is here:
 
 1. lengths: `lengths=`, a RaggedTensor or a mask on the host (no sync); a mask alone on the device is read (one
-   small device->host copy) only where the arm that runs needs lengths, or where its shape has none known yet;
-2. stats: `BatchStats` on the host (a batch not read: the latest known of its shape);
+   small device->host copy) only where the arm that runs needs lengths, or where neither its shape nor another
+   width of its batch size has any known yet;
+2. stats: `BatchStats` on the host (a batch not read: the latest known of its shape, `policy.new_shape`);
 3. the arm: forced by the policy or by anything the ragged arm cannot run (the reason is recorded), else
    `policy.choose` (runtime/policy.py) among the padded arm, the eager ragged arm and the ragged graph;
 4. the arm runs; the padded positions of the ragged arms' output are zeros;
@@ -213,7 +214,7 @@ class Runtime:
         reason = self.static_reason or self._dynamic_reason(module, call, grad)
         lens, not_prefix = self._known_lengths(call)
         key = ShapeKey(call.B, mask_width(call.L), lens is None, grad, torch.is_autocast_enabled(device.type))
-        shape = self.shapes.get(key) or self.shapes.setdefault(key, ShapeState())
+        shape = self.shapes.get(key) or self.shapes.setdefault(key, policy.new_shape(self.shapes, key, call.L))
         if lens is None and (self.policy == "ragged" or call.causal or shape.stats is None):
             lens, not_prefix = self._read(call)
         stats, reason = self._stats(call, shape, lens, not_prefix, reason)
