@@ -22,7 +22,8 @@ runtime keeps a `ShapeState`, and one rule decides:
 
 The eager ragged arm needs the batch's lengths: on a shape whose mask came alone it reads them (a device->host
 copy, a sync), and its timings, taken from before the read, include what the read costs the stream. So a mask is
-read exactly where reading and running eagerly is measured (or predicted) to beat running without lengths.
+read exactly where reading and running eagerly is measured (or predicted) to beat running without lengths, and
+at its batch size's first batch (nothing to predict it with: `new_shape`).
 """
 
 from __future__ import annotations
