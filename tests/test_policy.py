@@ -7,9 +7,19 @@ from __future__ import annotations
 import math
 
 import pytest
+from autoragged.tuning_db import BatchStats
 
 from autoragged.runtime import policy
-from autoragged.runtime.policy import MIN_SAMPLES, RETRY_EVERY, TRY_WITHIN, ShapeState, choose, observe
+from autoragged.runtime.policy import (
+    MIN_SAMPLES,
+    RETRY_EVERY,
+    TRY_WITHIN,
+    ShapeKey,
+    ShapeState,
+    choose,
+    new_shape,
+    observe,
+)
 
 ALL = {"padded", "ragged", "ragged_graph"}
 
@@ -330,9 +340,6 @@ def test_in_training_an_arm_timed_nowhere_takes_the_timed_arms_scale():
 def test_a_mask_only_shapes_first_stats_are_its_batch_sizes_nearest_width_scaled_to_fit():
     """Before its first read, a mask-only shape is predicted with the latest stats of the same batch size at the
     nearest width (and the same mode), every length scaled down where the longest does not fit its padded length."""
-    from autoragged.tuning_db import BatchStats
-
-    from autoragged.runtime.policy import ShapeKey, new_shape
 
     def known(lengths, L):
         state = ShapeState()
