@@ -537,25 +537,30 @@ def test_a_mask_graph_points_its_args_at_the_batch_or_at_its_static_embeddings()
     assert graph.replayed == [(*head, mask.data_ptr(), 10, 1, 0)]
 
 
-def test_a_round_of_the_pads_ring_moves_the_unread_counts_off_it(monkeypatch):
-    """Before slot 0 is reused, the counts of records nobody has read move to a snapshot and every slot reads -1
-    (not landed) again: each record still reads its own batch's lengths."""
+def test_a_pads_ring_slot_taken_again_gives_its_unread_counts_to_their_record(monkeypatch):
+    """A slot is taken again a round later: the take checks that slot's own event only (no wait for the batch just
+    queued), the record still waiting for the slot's counts takes a copy of them, and the slot reads -1 (not landed)
+    again; every record still reads its own batch's lengths."""
     from autoragged.planning.costmodel import PADDED
     from autoragged.runtime import records
 
-    monkeypatch.setattr(records, "event_done", lambda event: None)
+    waited = []
+    monkeypatch.setattr(records, "event_done", waited.append)
     ring = object.__new__(records.PadsRing)
     ring.device, ring.slots, ring.width, ring.i, ring.views, ring.retired = torch.device("cpu"), 4, 3, 0, {}, []
-    ring.host, ring.events, ring.owners = torch.full((4, 3), -1, dtype=torch.int32), [None] * 4, [None] * 4
+    ring.host, ring.owners = torch.full((4, 3), -1, dtype=torch.int32), [None] * 4
+    ring.events = [f"event {i}" for i in range(4)]
     made = []
-    for pads in ([1, 0], [2, 5], [0, 0]):
+    for pads in ([1, 0], [2, 5], [0, 0], [3, 3], [4, 1]):
         slot = ring.take(2)
         record = records.Record(None, PADDED, {}, "unread", None, "sig")
         record.defer(slot, 8, 8, ring)
         assert record.peek() is None  # -1: not landed
         slot.host.copy_(torch.tensor(pads, dtype=torch.int32))
         made.append(record)
+    assert waited == ["event 1", "event 2", "event 3", "event 0", "event 1"]  # each take: its own slot's event
     assert made[1].peek().total == 9
-    ring.take(2)  # slot 0 again: the round's release
-    assert (ring.host == -1).all() and ring.owners == [None] * 4
-    assert [r.stats.total for r in made] == [15, 9, 16]
+    assert made[0]._pending.event is None and made[1]._pending.event == "event 2"  # slot 1 reused: a copy
+    ring.take(2)  # slot 2 again
+    assert (ring.host[2] == -1).all() and ring.owners[2] is None
+    assert [r.stats.total for r in made] == [15, 9, 16, 10, 11]

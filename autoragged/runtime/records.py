@@ -72,7 +72,7 @@ class Record:
         """The stats if they are on the host already, else None: never waits, makes no CUDA call and takes no
         lock (the hot path predicts a batch not read with its shape's latest stats, `Runtime._stats`). A
         pinned slot's copy has landed when it holds no -1 (each count is written whole); a slot is only ever
-        replaced by a snapshot of itself, on the hot path's own thread (`PadsRing._release`)."""
+        replaced by a copy of itself, on the hot path's own thread (`PadsRing._free`)."""
         pending = self._pending
         if pending is None:
             return self._stats
@@ -133,8 +133,11 @@ class PadsSlot(NamedTuple):
 class PadsRing:
     """Pinned host slots for the pad counts of batches whose lengths were not read: a mask graph's replay writes
     its batch's slot itself (kernels/masked_pack.py `post_pads`: a copy after each replay cost 5-20 us a batch), the
-    padded arm's counts come by one non-blocking copy. A slot reads -1 until its counts land. Once per round of
-    `slots` batches the counts of records nobody has read yet move off the ring in one clone."""
+    padded arm's counts come by one non-blocking copy. A slot reads -1 until its counts land. A slot is taken again a
+    round of `slots` batches later, once its last batch's counts have landed: a query, and a wait only where the host
+    runs a whole round ahead of the device (a wait for the batch just queued drains the stream: calls of 1-181 ms
+    where the median was 0.1-11, `benchmarks/stream_table.py` on an H100). A record nobody has read yet takes a copy
+    of its counts."""
 
     def __init__(self, device: torch.device, slots: int = 64):
         self.device, self.slots, self.width, self.i = device, slots, 0, 0
@@ -157,8 +160,7 @@ class PadsRing:
             self.views = {}
             self.owners = [None] * self.slots
         self.i = i = (self.i + 1) % self.slots
-        if i == 0:
-            self._release()
+        self._free(i)
         views = self.views.get(B)
         if views is None:
             views = self.views[B] = list(self.host[:, :B].unbind(0))
@@ -168,20 +170,17 @@ class PadsRing:
         """The work that writes `slot` is queued: its event follows it."""
         record_event(slot.event, self.device.index)
 
-    def _release(self) -> None:
-        """Move the counts of the round's unread records into a copy of the buffer, then mark every slot
-        not landed (-1) again: all slots are free."""
-        pending = [(j, r) for j, r in enumerate(self.owners) if r is not None and r._pending is not None]
-        self.owners = [None] * self.slots
-        event_done(self.events[(self.i - 1) % self.slots])  # the newest batch's; batches land in stream order
-        if pending:
-            snapshot = self.host.clone()
+    def _free(self, i: int) -> None:
+        """Free slot `i` for its next batch: once its last batch's counts have landed, a record still waiting for
+        them takes a copy, and the slot reads -1 (not landed) again."""
+        owner, self.owners[i] = self.owners[i], None
+        event_done(self.events[i])
+        if owner is not None:
             with _RESOLVE:
-                for j, record in pending:
-                    waiting = record._pending
-                    if waiting is not None:
-                        record._pending = waiting._replace(host=snapshot[j, : waiting.host.shape[0]], event=None)
-        self.host.fill_(-1)
+                waiting = owner._pending
+                if waiting is not None and waiting.event is self.events[i]:
+                    owner._pending = waiting._replace(host=waiting.host.clone(), event=None)
+        self.host[i].fill_(-1)
 
 
 class _HostTimer:
