@@ -214,9 +214,10 @@ def _fit(stats: BatchStats, padded_len: int) -> BatchStats:
     """`stats` of a batch padded to `padded_len`, every length scaled down by one factor where the longest exceeds
     it."""
     f = min(1.0, padded_len / stats.max_len) if stats.max_len else 1.0
-    B, total = stats.batch, stats.total * f
-    return BatchStats(B, min(stats.max_len, padded_len), round(total), round(stats.sum_sq * f * f), stats.mean * f,
-                      stats.std * f, 1.0 - total / (B * padded_len) if B and padded_len else 0.0)  # fmt: skip
+    B, total = stats.batch, round(stats.total * f)
+    return BatchStats(batch=B, max_len=min(stats.max_len, padded_len), total=total, sum_sq=round(stats.sum_sq * f * f),
+                      mean=stats.mean * f, std=stats.std * f,
+                      pad_fraction=1.0 - total / (B * padded_len) if B and padded_len else 0.0)  # fmt: skip
 
 
 def started(state: ShapeState, kind: str, host_ms: float) -> None:

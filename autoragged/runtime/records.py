@@ -178,7 +178,7 @@ class PadsRing:
         if owner is not None:
             with _RESOLVE:
                 waiting = owner._pending
-                if waiting is not None and waiting.event is self.events[i]:
+                if waiting is not None:
                     owner._pending = waiting._replace(host=waiting.host.clone(), event=None)
         self.host[i].fill_(-1)
 
