@@ -20,23 +20,38 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target, not for the interpreter
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-# (dtype, head dim, block_m, block_n, warps, stages, causal, GQA group, window)
+
+class Case(NamedTuple):
+    """One compile of the forward kernel: its element type, head dim and launch config."""
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    causal: bool
+    group: int  # GQA heads per key/value head
+    window: bool
+
+
 CASES = [
-    ("fp16", 64, 64, 64, 4, 2, False, 1, False),
-    ("fp16", 64, 64, 64, 4, 2, True, 1, False),
-    ("bf16", 128, 128, 64, 8, 3, True, 1, False),
-    ("bf16", 128, 64, 64, 4, 2, True, 7, True),
-    ("bf16", 256, 64, 32, 8, 2, False, 1, False),
-    ("bf16", 256, 64, 32, 8, 2, True, 2, True),
-    ("bf16", 256, 64, 32, 4, 2, False, 1, False),
-    ("bf16", 256, 64, 64, 8, 2, False, 1, False),
-    ("fp32", 256, 64, 32, 8, 1, False, 1, False),
-    ("fp32", 256, 32, 64, 8, 1, False, 1, False),
+    Case("fp16", 64, 64, 64, 4, 2, False, 1, False),
+    Case("fp16", 64, 64, 64, 4, 2, True, 1, False),
+    Case("bf16", 128, 128, 64, 8, 3, True, 1, False),
+    Case("bf16", 128, 64, 64, 4, 2, True, 7, True),
+    Case("bf16", 256, 64, 32, 8, 2, False, 1, False),
+    Case("bf16", 256, 64, 32, 8, 2, True, 2, True),
+    Case("bf16", 256, 64, 32, 4, 2, False, 1, False),
+    Case("bf16", 256, 64, 64, 8, 2, False, 1, False),
+    Case("fp32", 256, 64, 32, 8, 1, False, 1, False),
+    Case("fp32", 256, 32, 64, 8, 1, False, 1, False),
 ]
 
 
@@ -50,25 +65,38 @@ def _ptxas() -> str:
     raise SystemExit(f"no ptxas under {bin_dir}")
 
 
-def compile_case(fn, dtype, head_dim, bm, bn, warps, stages, causal, group, window):
-    """(compiled kernel, registers, spill bytes) of `fn` for one case."""
+# the kernel's pointer parameters that are not of the case's dtype; every other non-constexpr is an int32 but these
+_POINTERS = {"offsets": "*i32", "lengths": "*i32", "grid_mapping": "*i32", "block_offsets": "*i32",
+             "key_lengths": "*i32", "Lse": "*fp32", "DropSeed": "*i64"}  # fmt: skip
+_FLOATS = ("qk_scale", "drop_p")
+
+
+def compile_case(fn, case: Case):
+    """(compiled kernel, registers, spill bytes) of `fn` for one case (the features a case does not name off)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(fn.arg_names)
-    sig = {n: ("*" + dtype if i < 4 else "*i32" if i < 8 else "i32") for i, n in enumerate(names[:16])}
-    sig.update({n: "i32" for n in ("left", "right") if n in names}, qk_scale="fp32")
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=causal, PRECISION="tf32", UPCAST=False, GQA_GROUP=group, WINDOW=window,
+        HEAD_DIM=case.head_dim, BLOCK_D=triton.next_power_of_2(case.head_dim), BLOCK_M=case.block_m,
+        BLOCK_N=case.block_n, CAUSAL=case.causal, PRECISION="tf32", UPCAST=False, GQA_GROUP=case.group,
+        WINDOW=case.window, KEYS=False, STORE_LSE=False, DROPOUT=False, PDL=False,
     )  # fmt: skip
     constexprs = {c: v for c, v in constexprs.items() if c in names}  # an older kernel has fewer
-    sig.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(16)}
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in ("Q", "K", "V", "Out"):
+            sig[n] = "*" + case.dtype
+        else:
+            sig[n] = _POINTERS.get(n, "fp32" if n in _FLOATS else "i32")
+    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") or n.startswith("stride_")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     positions = {(names.index(c),): v for c, v in constexprs.items()}
     source = ASTSource(fn=fn, signature=sig, constexprs=positions, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages}
+    options = {"num_warps": case.warps, "num_stages": case.stages}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
@@ -98,11 +126,13 @@ def kernel_at(revision: str):
     folder = pathlib.Path(tempfile.mkdtemp()) / "attention_at_rev"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
-    for name in ("ragged_attention.py", "config.py", "triton_compat.py"):
-        text = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{revision}:kernels/{name}"], capture_output=True, text=True, check=True
-        ).stdout
-        (folder / name).write_text(text)
+    git = ["git", "-C", str(ROOT)]
+    names = subprocess.run([*git, "ls-tree", "--name-only", revision, "kernels/"], capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    # every module but the package's own (ours is empty: the revision's imports every op and what they register)
+    for name in (n for n in names if n.endswith(".py") and n != "kernels/__init__.py"):
+        text = subprocess.run([*git, "show", f"{revision}:{name}"], capture_output=True, text=True, check=True).stdout
+        (folder / pathlib.Path(name).name).write_text(text)
     sys.path.insert(0, str(folder.parent))
     return importlib.import_module("attention_at_rev.ragged_attention")._ragged_attn_fwd_kernel
 
@@ -113,16 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from autoragged.kernels import ragged_attention as k_attn
 
-    titles = ["dtype", "Dh", "block_m", "block_n", "warps", "stages", "causal", "group", "window", "smem KB"]
-    print("| " + " | ".join([*titles, "registers", "spill B"]) + " |\n" + "|---" * (len(titles) + 2) + "|")
+    titles = [*Case._fields, "smem KB", "registers", "spill B"]
+    print("| " + " | ".join(titles) + " |\n" + "|---" * len(titles) + "|")
     for case in CASES:
-        kernel, registers, spills = compile_case(k_attn._ragged_attn_fwd_kernel, *case)
+        kernel, registers, spills = compile_case(k_attn._ragged_attn_fwd_kernel, case)
         print("| " + " | ".join(map(str, case)) + f" | {kernel.metadata.shared / 1024:.0f} | {registers} | {spills} |")
     if args.against:
         old = kernel_at(args.against)
-        for case in (c for c in CASES if c[7] == 1 and not c[8]):
-            new_ptx = compile_case(k_attn._ragged_attn_fwd_kernel, *case)[0].asm["ptx"]
-            old_ptx = compile_case(old, *case)[0].asm["ptx"]
+        for case in (c for c in CASES if c.group == 1 and not c.window):
+            new_ptx = compile_case(k_attn._ragged_attn_fwd_kernel, case)[0].asm["ptx"]
+            old_ptx = compile_case(old, case)[0].asm["ptx"]
             same = instructions(new_ptx) == instructions(old_ptx)
             print(f"{case}: PTX instructions {'identical to' if same else 'DIFFER from'} {args.against}")
     return 0
