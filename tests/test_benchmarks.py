@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -133,3 +134,26 @@ def test_compile_column_compiles_in_this_process():
         assert inductor_config.compile_threads is None
     finally:
         inductor_config.compile_threads = before
+
+
+def check_results_md(text: str, scripts: list[str]) -> None:
+    """RESULTS.md has a section per script of record, and every table row is a line of its own."""
+    headers = [line for line in text.splitlines() if line.startswith("## ")]
+    for script in scripts:
+        assert any(f"`benchmarks/{script}.py" in h for h in headers), f"no section for benchmarks/{script}.py"
+    for n, line in enumerate(text.splitlines(), 1):
+        if "|---|" in line or " | | " in line:
+            assert line.startswith("|"), f"RESULTS.md line {n}: a table row inside a paragraph: {line[:80]!r}"
+
+
+def test_results_md_keeps_a_section_per_benchmark_and_its_tables():
+    """A reflow of RESULTS.md once swallowed two sections and their tables into one bullet."""
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.stem.startswith("_"))
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    check_results_md(text, scripts)
+    # a table's header and rule joined onto the paragraph line above it, as the reflow did
+    reflowed = re.sub(r"\n\n(\| dataset[^\n]*)\n(\|---[^\n]*)\n", r" \1 \2\n", text, count=1)
+    with pytest.raises(AssertionError, match="a table row inside a paragraph"):
+        check_results_md(reflowed, scripts)
+    with pytest.raises(AssertionError, match="no section for benchmarks/soak.py"):
+        check_results_md(text.replace("## Tuning database soak: `benchmarks/soak.py`", "Soak"), scripts)
