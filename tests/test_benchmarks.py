@@ -157,3 +157,29 @@ def test_results_md_keeps_a_section_per_benchmark_and_its_tables():
         check_results_md(reflowed, scripts)
     with pytest.raises(AssertionError, match="no section for benchmarks/soak.py"):
         check_results_md(text.replace("## Tuning database soak: `benchmarks/soak.py`", "Soak"), scripts)
+
+
+def test_ab_trees_runs_each_tree_in_order_from_its_own_code(tmp_path, capsys):
+    """diagnostics/ab_trees.py: an exported tree's runs carry its revision, the checkout's its own; a tree whose
+    processes would import another tree's autoragged is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    import ab_trees
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    (tree,) = ab_trees.export(["HEAD"], tmp_path / "trees")
+    assert (tree / "REVISION").read_text().strip() == head.strip() and (tree / "kernels" / "config.py").is_file()
+    ab = tmp_path / "ab"
+    code = ab_trees.main(["run", "--trees", f"new={ROOT}", f"old={tree}", "--order", "old", "new", "--results",
+                          str(ab), "--columns", "auto", "--", "benchmarks/cora_table.py", "--smoke", "--columns",
+                          "auto"])  # fmt: skip
+    assert code == 0
+    lines = {run: json.loads((ab / run / "cora_table.jsonl").read_text()) for run in ("1_old", "2_new")}
+    assert lines["1_old"]["revision"] == head.strip()  # the exported tree's, in full
+    own = lines["2_new"]["revision"].removesuffix("-dirty")  # the checkout's short hash, from its own git
+    assert 7 <= len(own) < 40 and head.startswith(own)
+    out = capsys.readouterr().out
+    assert "auto: geomean over 2 rows: new " in out and "new / old per row: geomean" in out
+    bare = tmp_path / "bare"  # a tree without its own autoragged: the installed one would stand in
+    (bare / "benchmarks").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="another tree's code|importing autoragged failed"):
+        ab_trees.check_imports(bare)
