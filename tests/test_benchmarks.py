@@ -1,5 +1,6 @@
 """The benchmarks of record run: each --smoke run (a tiny model on the CPU) prints its table and appends one JSON line
-with its rows to <--results>/<script>.jsonl; without a GPU a real run exits 2."""
+with its rows to <--results>/<script>.jsonl; without a GPU a real run exits 2. RESULTS.md keeps a section per script,
+and diagnostics/ab_trees.py runs a script from other code trees."""
 
 from __future__ import annotations
 
@@ -159,10 +160,10 @@ def test_results_md_keeps_a_section_per_benchmark_and_its_tables():
         check_results_md(text.replace("## Tuning database soak: `benchmarks/soak.py`", "Soak"), scripts)
 
 
-def test_ab_trees_runs_each_tree_in_order_from_its_own_code(tmp_path, capsys):
+def test_ab_trees_runs_each_tree_in_order_from_its_own_code(tmp_path, capsys, monkeypatch):
     """diagnostics/ab_trees.py: an exported tree's runs carry its revision, the checkout's its own; a tree whose
     processes would import another tree's autoragged is refused."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "diagnostics"))
     import ab_trees
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
