@@ -6,8 +6,8 @@ tree, then each numeric column compared per row.
         --results $OUT/ab -- benchmarks/cora_table.py --columns auto auto_lengths
 
 `export` writes what the runtime and the benchmarks import (autoragged/, kernels/, tuning_db/, benchmarks/,
-pyproject.toml) of each revision to `.ab/<revision>` with the revision in `.ab/<revision>/REVISION`: a lent machine's
-copy of the checkout has no usable git, so the trees are made here and carried there (`carry=[".ab"]`).
+pyproject.toml) of each revision to `.ab/<revision>` (a slash as _) with its full hash in `REVISION` there: a lent
+machine's copy of the checkout has no usable git, so the trees are made here and carried there (`carry=[".ab"]`).
 
 `run` checks that each tree imports its own `autoragged` and `autoragged.kernels` (an editable install of another
 tree must not stand in), then runs the script once per name of `--order`, from that tree, with `--results
@@ -24,6 +24,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,9 +40,9 @@ def export(revisions: list[str], into: pathlib.Path) -> list[pathlib.Path]:
     for rev in revisions:
         full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        tree = into / rev
+        tree = into / rev.replace("/", "_")  # (a branch's name may hold slashes)
         if tree.exists():
-            subprocess.run(["rm", "-rf", str(tree)], check=True)
+            shutil.rmtree(tree)
         tree.mkdir(parents=True)
         listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", full], capture_output=True,
                                 text=True, check=True).stdout.split()  # fmt: skip
