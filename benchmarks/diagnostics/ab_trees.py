@@ -130,13 +130,17 @@ def compare(runs: list[tuple[str, list[dict]]], names: list[str], only: list[str
 
 
 def run(args) -> int:
-    trees = dict(spec.split("=", 1) for spec in args.trees)
-    trees = {name: pathlib.Path(path).resolve() for name, path in trees.items()}
+    bad = [spec for spec in args.trees if "=" not in spec or spec.startswith("=")]
+    if bad:
+        raise SystemExit(f"--trees takes NAME=PATH (new=. old=.ab/534b06d), got {bad}")
+    trees = {name: pathlib.Path(path).resolve() for name, path in (spec.split("=", 1) for spec in args.trees)}
     unknown = [n for n in args.order if n not in trees]
     if unknown:
         raise SystemExit(f"--order names {unknown}, not among --trees {list(trees)}")
     script, *script_args = args.command
     for tree in trees.values():
+        if not (tree / script).is_file():
+            raise SystemExit(f"{tree} has no {script} (the script's path is relative to each tree)")
         check_imports(tree)
     results = pathlib.Path(args.results).resolve()
     runs = []
