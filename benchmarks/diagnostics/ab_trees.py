@@ -55,12 +55,15 @@ def export(revisions: list[str], into: pathlib.Path) -> list[pathlib.Path]:
 
 
 def tree_revision(tree: pathlib.Path) -> str:
-    """The revision a tree holds: its REVISION file (an exported tree), else its checkout's HEAD."""
+    """The revision a tree holds: its REVISION file (an exported tree), else $AUTORAGGED_REVISION (as the benchmarks
+    read it: a lent machine's copy), else its checkout's HEAD."""
     stamp = tree / "REVISION"
     if stamp.is_file():
         return stamp.read_text().strip()
+    if os.environ.get("AUTORAGGED_REVISION"):
+        return os.environ["AUTORAGGED_REVISION"]
     done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else os.environ.get("AUTORAGGED_REVISION", "unknown")
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def environment(tree: pathlib.Path) -> dict[str, str]:
