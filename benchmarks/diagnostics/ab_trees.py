@@ -30,6 +30,10 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import geomean  # noqa: E402
+
 PARTS = ("autoragged", "kernels", "tuning_db", "benchmarks", "pyproject.toml")
 KEYS = ("dataset", "batch", "model", "input")  # what names a row, where a script's rows have them
 
@@ -112,18 +116,17 @@ def compare(runs: list[tuple[str, list[dict]]], names: list[str], only: list[str
                     if math.isfinite(value):
                         cells.setdefault(column, []).append(float(value))
     columns = sorted({c for rows in by_tree.values() for cells in rows.values() for c in cells})
-    gmean = lambda xs: math.exp(statistics.fmean(map(math.log, xs)))  # noqa: E731
     lines = []
     for column in columns:
         shared = [k for k in by_tree[names[0]] if all(column in by_tree[n].get(k, {}) for n in names)]
         if not shared:
             continue
         means = {n: {k: statistics.fmean(by_tree[n][k][column]) for k in shared} for n in names}
-        parts = [f"{n} {gmean(list(means[n].values())):.4g}" for n in names]
+        parts = [f"{n} {geomean(list(means[n].values())):.4g}" for n in names]
         lines.append(f"{column}: geomean over {len(shared)} rows: " + ", ".join(parts))
         for other in names[1:]:
             ratios = [means[names[0]][k] / means[other][k] for k in shared]
-            lines.append(f"  {names[0]} / {other} per row: geomean {gmean(ratios):.3f} "
+            lines.append(f"  {names[0]} / {other} per row: geomean {geomean(ratios):.3f} "
                          f"({min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
         for n in names:
             spreads = [max(v) / min(v) for k in shared if len(v := by_tree[n][k][column]) > 1]
